@@ -1,0 +1,3 @@
+from peerd.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Pure optimisation: cost model, solvers and simulator. No I/O, no torch, no network."""

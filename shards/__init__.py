@@ -1,0 +1,1 @@
+"""The model side: architectures, checkpoint loading, segmentation, ONNX export, execution."""

@@ -1,0 +1,1 @@
+"""The Textual dashboard; it talks to the local daemon over its Unix socket."""
