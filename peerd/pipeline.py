@@ -1,0 +1,164 @@
+"""The data plane's logic, independent of how messages travel.
+
+`StageWorker` is one stage of a split model: it collects, for each (sequence, step), the
+tensors every source stage sends it, runs its units once all have arrived, and returns the
+messages its routes prescribe. `Head` is the request side on the source peer: it turns a
+prompt into step inputs, records the tokens the last stage samples, and decides when a
+sequence is finished. The daemon moves these messages over ZeroMQ; `peerd generate` moves
+them in one process through the same codec.
+
+Steps of one sequence are strictly sequential (step n+1 needs token n), so messages of
+different sequences interleave freely while those of one sequence never race.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from peerd.protocol import StageData
+from peerd.routing import Route, StageRoutes
+from shards.executor import StageExecutor
+from shards.sampling import Sampler, SamplingParams
+
+Tensors = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    target: int
+    message: StageData
+
+
+@dataclass
+class StageCounters:
+    """What one stage did: compute time and bytes sent to the next / later stages."""
+
+    steps: int = 0
+    compute_s: float = 0.0
+    sequential_bytes: int = 0
+    residual_bytes: int = 0
+    residual_bytes_by_target: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class StepDone:
+    stage: int
+    seq_id: str
+    step: int
+    outgoing: list[Outgoing]
+    logits: np.ndarray | None  # on the stage that computes them, for the sampler
+
+
+class StageWorker:
+    def __init__(
+        self, stage: int, executor: StageExecutor, routes: StageRoutes, fp16_wire: bool = False
+    ) -> None:
+        if len(routes.returns) > 1:
+            raise ValueError(f"stage {stage} returns {routes.returns}; expected only the logits")
+        self.stage = stage
+        self.executor = executor
+        self.routes = routes
+        self.fp16_wire = fp16_wire
+        self.counters = StageCounters()
+        self._pending: dict[tuple[str, int], dict[int, Tensors]] = {}
+
+    def accept(self, source: int, message: StageData) -> Tensors | None:
+        """Record a message; the stage's complete inputs once every expected source sent."""
+        expected = self.routes.expects.get(source)
+        if expected is None:
+            raise ValueError(f"stage {self.stage} expects nothing from stage {source}")
+        if set(message.tensors) != set(expected):
+            raise ValueError(
+                f"stage {self.stage}: stage {source} sent {sorted(message.tensors)}, "
+                f"expected {sorted(expected)}"
+            )
+        key = (message.seq_id, message.step)
+        arrived = self._pending.setdefault(key, {})
+        arrived[source] = message.tensors
+        if len(arrived) < len(self.routes.expects):
+            return None
+        del self._pending[key]
+        return {name: t for tensors in arrived.values() for name, t in tensors.items()}
+
+    def run(self, seq_id: str, step: int, inputs: Tensors) -> StepDone:
+        """Run the stage's units on complete inputs and build the messages to send."""
+        started = time.perf_counter()
+        outputs = self.executor.step(seq_id, {n: inputs[n] for n in self.executor.inputs})
+        self.counters.compute_s += time.perf_counter() - started
+        available = {**inputs, **outputs}
+        outgoing = [self._message(seq_id, step, route, available) for route in self.routes.sends]
+        self.counters.steps += 1
+        logits = outputs[self.routes.returns[0]] if self.routes.returns else None
+        return StepDone(self.stage, seq_id, step, outgoing, logits)
+
+    def drop(self, seq_id: str) -> None:
+        """Free the sequence's K/V and anything buffered for it."""
+        self.executor.drop(seq_id)
+        for key in [k for k in self._pending if k[0] == seq_id]:
+            del self._pending[key]
+
+    def _message(self, seq_id: str, step: int, route: Route, available: Tensors) -> Outgoing:
+        tensors = {name: self._wire(available[name]) for name in route.names}
+        size = sum(t.nbytes for t in tensors.values())
+        if route.target == self.stage + 1:
+            self.counters.sequential_bytes += size
+        else:
+            self.counters.residual_bytes += size
+            by_target = self.counters.residual_bytes_by_target
+            by_target[route.target] = by_target.get(route.target, 0) + size
+        return Outgoing(route.target, StageData(seq_id=seq_id, step=step, tensors=tensors))
+
+    def _wire(self, array: np.ndarray) -> np.ndarray:
+        if self.fp16_wire and array.dtype == np.float32:
+            return array.astype(np.float16)
+        return array
+
+
+class TokenSampler:
+    """On the last stage: one seeded sampler per open sequence, fed the last logits row."""
+
+    def __init__(self) -> None:
+        self._samplers: dict[str, Sampler] = {}
+
+    def open(self, seq_id: str, params: SamplingParams) -> None:
+        self._samplers[seq_id] = Sampler(params)
+
+    def sample(self, seq_id: str, logits: np.ndarray) -> int:
+        return self._samplers[seq_id](logits[0, -1])
+
+    def close(self, seq_id: str) -> None:
+        self._samplers.pop(seq_id, None)
+
+
+@dataclass
+class Generation:
+    """One request as the head sees it."""
+
+    seq_id: str
+    prompt: list[int]
+    max_tokens: int
+    stop_ids: frozenset[int]
+    tokens: list[int] = field(default_factory=list)
+
+    def step_inputs(self) -> tuple[int, Tensors]:
+        """The step to run next and its request inputs (the whole prompt first, then a token)."""
+        step = len(self.tokens)
+        if step == 0:
+            ids, start = self.prompt, 0
+        else:
+            ids, start = self.tokens[-1:], len(self.prompt) + step - 1
+        positions = np.arange(start, start + len(ids), dtype=np.int64)
+        return step, {
+            "input_ids": np.asarray([ids], dtype=np.int64),
+            "position_ids": positions[None, :],
+        }
+
+    def record(self, step: int, token: int) -> bool:
+        """Add the token sampled at `step`; True when the generation is finished."""
+        if step != len(self.tokens):
+            raise ValueError(f"{self.seq_id}: token for step {step}, expected {len(self.tokens)}")
+        self.tokens.append(token)
+        return len(self.tokens) >= self.max_tokens or token in self.stop_ids
