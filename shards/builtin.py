@@ -12,11 +12,12 @@ The directory it writes is an ordinary Hugging Face checkpoint: `config.json`,
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
 BOS_TOKEN, EOS_TOKEN = "<s>", "</s>"
@@ -52,8 +53,14 @@ DEMO_SHAPE = {
 }
 
 
-def train_tokenizer(vocab_size: int = 1024) -> Tokenizer:
-    """A byte-level BPE tokenizer trained on the built-in text, with ChatML special tokens."""
+def train_tokenizer(
+    corpus: Iterable[str] = _CORPUS.splitlines(), vocab_size: int = 1024, add_bos: bool = True
+) -> Tokenizer:
+    """A byte-level BPE tokenizer trained on `corpus`, with ChatML special tokens.
+
+    With `add_bos`, encoding prepends `<s>` as Llama tokenizers do; without, it adds nothing
+    (GPT-2 style).
+    """
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -63,20 +70,37 @@ def train_tokenizer(vocab_size: int = 1024) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    if add_bos:
+        bos_id = tokenizer.token_to_id(BOS_TOKEN)
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{BOS_TOKEN} $A",
+            pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+            special_tokens=[(BOS_TOKEN, bos_id)],
+        )
+    else:
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     return tokenizer
 
 
-def write_tokenizer_files(directory: Path, tokenizer: Tokenizer) -> None:
-    """tokenizer.json plus a tokenizer_config.json carrying the chat template."""
+def write_tokenizer_files(
+    directory: Path,
+    tokenizer: Tokenizer,
+    add_bos: bool = True,
+    chat_template: str | None = CHAT_TEMPLATE,
+) -> None:
+    """tokenizer.json plus a tokenizer_config.json (with the chat template, if any)."""
     tokenizer.save(str(directory / "tokenizer.json"))
     config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,
         "eos_token": EOS_TOKEN,
         "pad_token": "<pad>",
-        "chat_template": CHAT_TEMPLATE,
-        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": add_bos,
+        "model_max_length": 2048,
     }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
 
 

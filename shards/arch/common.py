@@ -1,0 +1,180 @@
+"""Pieces every architecture shares: the model skeleton with an explicit KV cache, the causal
+mask, attention, normalisation and activations.
+
+Shapes follow one rule so that any unit of a segmented model only needs its own inputs: the
+per-step tensors (`CausalMask`, rotary cos/sin, ALiBi) describe the T new positions and are
+computed once near the input; each attention extends them over its own P cached keys using
+the shape of its own past K (a zero block, an arange). Nothing has a shape that depends on
+tensor values, so torch.fx tracing and ONNX export (TorchScript or dynamo) see plain shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shards.config import ModelConfig
+from shards.errors import ModelError
+
+NEG_INF = torch.finfo(torch.float32).min  # additive mask value, as Hugging Face uses
+
+
+def cache_names(num_layers: int, prefix: str) -> list[str]:
+    """["{prefix}_k_0", "{prefix}_v_0", "{prefix}_k_1", ...]: past (inputs) or present (outputs)."""
+    return [f"{prefix}_{kind}_{layer}" for layer in range(num_layers) for kind in "kv"]
+
+
+class CausalLM(nn.Module):
+    """embed → per-step tensors → layers[i].attn / layers[i].mlp → head, batch 1, float32.
+
+    Subclasses build `embed`, `layers` and `head` and implement `prepare`, which embeds the
+    tokens and computes the per-step tensors every attention receives after `hidden`.
+    `build_model` gives each instance a `forward` with one named argument per cache tensor.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def prepare(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        raise NotImplementedError
+
+    def run(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, ...]:
+        hidden, step = self.prepare(input_ids, position_ids)
+        present = []
+        for i, layer in enumerate(self.layers):
+            hidden, key, value = layer.attn(hidden, *step, past[2 * i], past[2 * i + 1])
+            hidden = layer.mlp(hidden)
+            present += [key, value]
+        return (self.head(hidden), *present)
+
+
+@functools.cache
+def with_named_cache(cls: type[CausalLM], num_layers: int) -> type[CausalLM]:
+    """A subclass of `cls` whose forward names every cache tensor (past_k_0, past_v_0, ...).
+
+    torch.fx and torch.onnx name graph inputs after the forward's parameters, and a `*past`
+    would become one opaque tuple input; generating the signature keeps one input per tensor.
+    """
+    names = ", ".join(cache_names(num_layers, "past"))
+    source = (
+        f"def forward(self, input_ids, position_ids, {names}):\n"
+        f"    return self.run(input_ids, position_ids, ({names},))\n"
+    )
+    namespace: dict = {}
+    exec(source, namespace)  # the source is built from integers only
+    return type(f"{cls.__name__}{num_layers}", (cls,), {"forward": namespace["forward"]})
+
+
+class Layer(nn.Module):
+    """One transformer layer as two separately callable halves: `attn` and `mlp`."""
+
+    def __init__(self, attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.attn = attn
+        self.mlp = mlp
+
+
+class Head(nn.Module):
+    """Final norm and LM head; `lm_head` has its own weight even when tied to the embedding."""
+
+    def __init__(self, norm: nn.Module, hidden_size: int, vocab_size: int) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
+class CausalMask(nn.Module):
+    """[1, 1, T, T] additive mask of the new tokens over themselves (0 where visible)."""
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        positions = position_ids[0]
+        visible = positions[None, :] <= positions[:, None]
+        return torch.where(visible, 0.0, NEG_INF)[None, None]
+
+
+def extend_mask(mask: torch.Tensor, past_len: torch.Tensor | int) -> torch.Tensor:
+    """[.., T, T] mask of the new keys -> [.., T, P+T]: cached keys are all visible."""
+    return F.pad(mask, (past_len, 0))
+
+
+def apply_window(bias: torch.Tensor, past_len: torch.Tensor | int, window: int) -> torch.Tensor:
+    """Hide keys `window` or more positions behind the query (Mistral-style sliding window)."""
+    queries = torch.arange(bias.shape[-2]) + past_len
+    keys = torch.arange(bias.shape[-1])
+    return bias.masked_fill(queries[:, None] - keys[None, :] >= window, NEG_INF)
+
+
+def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """[1, T, heads*head_dim] -> [1, heads, T, head_dim]."""
+    return x.view(1, -1, num_heads, head_dim).transpose(1, 2)
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    groups: int = 1,
+) -> torch.Tensor:
+    """Softmax attention over [1, heads, *, head_dim]; key/value have heads/groups heads
+    (grouped-query attention). Returns [1, T, heads*head_dim]."""
+    if groups > 1:
+        key = _repeat_heads(key, groups)
+        value = _repeat_heads(value, groups)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale + bias
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, value).transpose(1, 2).flatten(2)
+
+
+def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x[:, :, None].expand(-1, -1, groups, -1, -1).flatten(1, 2)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))
+    return 0.5 * x * (1.0 + torch.tanh(inner))
+
+
+def _bloom_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+
+# Hugging Face activation names, written as the transformers implementations compute them.
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "bloom_gelu": _bloom_gelu,
+}
+
+
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ModelError(f"unsupported activation: {name}")
+    return ACTIVATIONS[name]
