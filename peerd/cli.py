@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from peerd.errors import PeerdError
@@ -102,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prompt(p, required=False)
     _add_sampling(p)
     p.add_argument("--json", action="store_true", help="print one JSON object when done")
-    p.set_defaults(handler="peerd.client:cmd_chat")
+    p.set_defaults(handler="peerd.chat:cmd_chat")
 
     p = sub.add_parser(
         "generate", help="run a model split into K parts in this process (no daemon)"
@@ -153,3 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`peerd status | head`): stop quietly. Pointing stdout at
+        # /dev/null keeps the interpreter's final flush from complaining a second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

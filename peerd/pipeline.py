@@ -135,30 +135,46 @@ class TokenSampler:
 
 @dataclass
 class Generation:
-    """One request as the head sees it."""
+    """One request as the head sees it.
+
+    `cached` counts the positions whose K/V the stages hold, so a step feeds them what they
+    lack: the whole prompt first, then one token at a time. After a plan change or a lost
+    peer the K/V is gone: `restart` makes the next step re-prefill the prompt and every
+    token so far, under a fresh sequence id, and generation continues where it stopped.
+    """
 
     seq_id: str
     prompt: list[int]
     max_tokens: int
     stop_ids: frozenset[int]
     tokens: list[int] = field(default_factory=list)
+    cached: int = 0
+    step: int = 0  # forward passes of this seq_id, pairing the messages of one step
 
     def step_inputs(self) -> tuple[int, Tensors]:
-        """The step to run next and its request inputs (the whole prompt first, then a token)."""
-        step = len(self.tokens)
-        if step == 0:
-            ids, start = self.prompt, 0
-        else:
-            ids, start = self.tokens[-1:], len(self.prompt) + step - 1
-        positions = np.arange(start, start + len(ids), dtype=np.int64)
-        return step, {
-            "input_ids": np.asarray([ids], dtype=np.int64),
+        """The step to run next and its request inputs."""
+        context = self.prompt + self.tokens
+        positions = np.arange(self.cached, len(context), dtype=np.int64)
+        return self.step, {
+            "input_ids": np.asarray([context[self.cached :]], dtype=np.int64),
             "position_ids": positions[None, :],
         }
 
     def record(self, step: int, token: int) -> bool:
         """Add the token sampled at `step`; True when the generation is finished."""
-        if step != len(self.tokens):
-            raise ValueError(f"{self.seq_id}: token for step {step}, expected {len(self.tokens)}")
+        if step != self.step:
+            raise ValueError(f"{self.seq_id}: token for step {step}, expected {self.step}")
+        self.cached = len(self.prompt) + len(self.tokens)
         self.tokens.append(token)
-        return len(self.tokens) >= self.max_tokens or token in self.stop_ids
+        self.step += 1
+        return self.finished
+
+    @property
+    def finished(self) -> bool:
+        return len(self.tokens) >= self.max_tokens or bool(
+            self.tokens and self.tokens[-1] in self.stop_ids
+        )
+
+    def restart(self, seq_id: str) -> None:
+        """Forget the K/V: the next step re-prefills everything under `seq_id`."""
+        self.seq_id, self.cached, self.step = seq_id, 0, 0

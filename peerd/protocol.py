@@ -6,14 +6,20 @@ header as ``"tensors": [[name, dtype, shape], ...]`` and sends each tensor's raw
 more frame, in that order (no pickling; decoding is zero-copy over the received buffers).
 
 Messages are frozen dataclasses registered with ``@message("kind")``. Their field annotations
-are the schema: ``decode`` checks every header field against them, so a handler only ever sees
-well-typed messages. Anything else raises ``ProtocolError``; receivers log it and drop the
-message.
+are the schema: ``decode`` checks every header field against them (nested frozen dataclasses
+travel as maps), and ``__post_init__`` checks ranges, so a handler only ever sees well-formed
+messages. Anything else raises ``ProtocolError``; receivers log it and drop the message.
+
+Each kind belongs to one channel (one socket pair, see peerd/transport.py): ``control``
+(small, latency-sensitive), ``data`` (bulk: tensors, bandwidth probes) or ``hello`` (static
+peer introductions). A message arriving on another channel's socket is dropped.
+docs/protocol.md describes every message.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -29,6 +35,10 @@ MAX_HEADER_BYTES = 1024 * 1024
 MAX_TENSORS = 4096
 MAX_RANK = 8
 
+MAX_PROBE_BYTES = 64 * 1024 * 1024
+CONTROL, DATA, HELLO = "control", "data", "hello"
+CHANNELS = (CONTROL, DATA, HELLO)
+
 # The dtypes a tensor frame may carry; anything else is refused on receipt.
 WIRE_DTYPES = frozenset({"float32", "float16", "int64", "int32", "int8", "uint8", "bool"})
 
@@ -42,24 +52,32 @@ class ProtocolError(ValueError):
 _REGISTRY: dict[str, type] = {}
 
 
-def message(kind: str):
-    """Register a frozen dataclass as the message of this kind."""
+def message(kind: str, channel: str = CONTROL):
+    """Register a frozen dataclass as the message of this kind, sent on this channel."""
+    if channel not in CHANNELS:
+        raise ValueError(f"unknown channel {channel!r}")
 
     def register(cls):
         if kind in _REGISTRY:
             raise TypeError(f"message kind {kind!r} registered twice")
         cls.KIND = kind
+        cls.CHANNEL = channel
         _REGISTRY[kind] = cls
         return cls
 
     return register
 
 
+def _require(condition: bool, reason: str) -> None:
+    if not condition:
+        raise ProtocolError(reason)
+
+
 def kinds() -> dict[str, type]:
     return dict(_REGISTRY)
 
 
-@message("stage")
+@message("stage", channel=DATA)
 @dataclasses.dataclass(frozen=True)
 class StageData:
     """Activations for one step of one sequence, sent to the stage that consumes them.
@@ -71,9 +89,528 @@ class StageData:
     """
 
     KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
     seq_id: str
     step: int
     tensors: Tensors
+
+
+@message("seq-open", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceOpen:
+    """The head asks the last stage to sample a new sequence with these settings; the answer
+    (``SequenceOpened``) comes before the head runs the sequence's first step."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    seq_id: str
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+
+@message("seq-opened", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceOpened:
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    error: str | None = None
+
+
+@message("seq-token", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceToken:
+    """The last stage's sampled token for one step, sent to the head."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    seq_id: str
+    step: int
+    token: int
+
+
+@message("seq-drop", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceDrop:
+    """The head ends a sequence (finished, cancelled or failed): free its K/V and sampler."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    seq_id: str
+
+
+@message("chat", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    """A chat typed on another peer's socket, forwarded to the head. ``body`` is the local
+    API's chat request (peerd/serving.py validates it on the head)."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    chat_id: str
+    body: dict[str, Any]
+
+
+@message("chat-event", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class ChatEvent:
+    """One local-API event of a forwarded chat (a token, the end, or an error), relayed by
+    the asking peer to its client as it is."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    chat_id: str
+    event: dict[str, Any]
+
+
+@message("chat-cancel", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class ChatCancel:
+    """The client of a forwarded chat went away: the head ends the answer."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    chat_id: str
+
+
+@message("seq-failed", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceFailed:
+    """A stage could not run a step of the sequence; the head ends it with this reason."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    seq_id: str
+    reason: str
+
+
+# Control messages. The sender of a message is never a field: the transport knows it from the
+# CURVE key that the ZAP handler authenticated, so a member cannot speak for another.
+
+
+@message("hello", channel=HELLO)
+@dataclasses.dataclass(frozen=True)
+class Hello:
+    """A static peer introduces itself with its signed record (peerd/records.py); the answer
+    is the receiver's own Hello."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    record: dict[str, str]
+
+
+@message("heartbeat")
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    """Sent to every member several times a second: liveness, run instance, the sender's view
+    of the current leader and epoch, and its capability for the election."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    instance: str
+    seq: int
+    epoch: int
+    leader: str | None
+    mains: bool
+    flops: float
+
+    def __post_init__(self):
+        _require(self.seq >= 0 and self.epoch >= 0, "heartbeat: negative seq or epoch")
+        _require(self.flops >= 0, "heartbeat: negative flops")
+
+
+@message("goodbye")
+@dataclasses.dataclass(frozen=True)
+class Goodbye:
+    """The sender's run ``instance`` is shutting down cleanly."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    instance: str
+
+
+@message("vote-request")
+@dataclasses.dataclass(frozen=True)
+class VoteRequest:
+    """The sender stands for leader of ``epoch`` with this capability."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    epoch: int
+    mains: bool
+    flops: float
+
+    def __post_init__(self):
+        _require(self.epoch > 0, "vote-request: epoch must be positive")
+        _require(self.flops >= 0, "vote-request: negative flops")
+
+
+@message("vote")
+@dataclasses.dataclass(frozen=True)
+class Vote:
+    """The sender's answer to a candidate; ``epoch`` is the voter's epoch after the request."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    epoch: int
+    granted: bool
+
+    def __post_init__(self):
+        _require(self.epoch >= 0, "vote: negative epoch")
+
+
+@message("leader")
+@dataclasses.dataclass(frozen=True)
+class LeaderAnnounce:
+    """The sender won the election of ``epoch``."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    epoch: int
+
+    def __post_init__(self):
+        _require(self.epoch > 0, "leader: epoch must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class Battery:
+    percent: float
+    plugged: bool
+
+    def __post_init__(self):
+        _require(0 <= self.percent <= 100, "battery percent outside 0..100")
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerFigures:
+    """One peer's measurements: FLOP/s on the calibration unit, memory (capped by its
+    --memory-budget), CPU load of other processes (0..1), battery, model and loaded units."""
+
+    id: str
+    flops: float
+    memory_total: int
+    memory_available: int
+    load: float
+    battery: Battery | None
+    model: str | None
+    units: tuple[int, ...]
+
+    def __post_init__(self):
+        _require(self.flops >= 0, "figures: negative flops")
+        _require(0 <= self.memory_available <= self.memory_total, "figures: bad memory")
+        _require(0 <= self.load <= 1, "figures: load outside 0..1")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkFigures:
+    """Measured from ``source`` to ``target``: one-way latency and bandwidth."""
+
+    source: str
+    target: str
+    latency_s: float
+    bandwidth_Bps: float
+
+    def __post_init__(self):
+        _require(self.latency_s >= 0 and self.bandwidth_Bps > 0, "link: bad figures")
+
+
+@message("measure")
+@dataclasses.dataclass(frozen=True)
+class MeasureRequest:
+    """The leader of ``epoch`` asks for the receiver's PeerFigures."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    epoch: int
+
+
+@message("measurement")
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    figures: PeerFigures
+
+
+@message("probe")
+@dataclasses.dataclass(frozen=True)
+class ProbeRequest:
+    """The leader of ``epoch`` asks the receiver to measure its links to ``targets``, sending
+    ``payload_bytes`` to each for the bandwidth."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    epoch: int
+    targets: tuple[str, ...]
+    payload_bytes: int
+
+    def __post_init__(self):
+        _require(0 < self.payload_bytes <= MAX_PROBE_BYTES, "probe: payload size out of range")
+
+
+@message("probe-report")
+@dataclasses.dataclass(frozen=True)
+class ProbeReport:
+    """The links the receiver of a ProbeRequest could measure (unreachable targets omitted)."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    links: tuple[LinkFigures, ...]
+
+
+@message("ping")
+@dataclasses.dataclass(frozen=True)
+class Ping:
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+
+
+@message("pong")
+@dataclasses.dataclass(frozen=True)
+class Pong:
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+
+
+@message("bandwidth", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class BandwidthProbe:
+    """A timed bulk transfer: one uint8 tensor named ``payload``."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    tensors: Tensors
+
+    def __post_init__(self):
+        payload = self.tensors.get("payload")
+        _require(
+            len(self.tensors) == 1 and payload is not None and payload.dtype == np.uint8,
+            "bandwidth: expected one uint8 tensor named 'payload'",
+        )
+        _require(payload.nbytes <= MAX_PROBE_BYTES, "bandwidth: payload too large")
+
+
+@message("bandwidth-ack", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class BandwidthAck:
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    received: int
+
+
+@message("cluster-report")
+@dataclasses.dataclass(frozen=True)
+class ClusterReport:
+    """The leader of ``epoch`` shares its latest measurements of every peer and link."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    epoch: int
+    peers: tuple[PeerFigures, ...]
+    links: tuple[LinkFigures, ...]
+
+
+# -- Deployment: the model's manifest, plans, and unit files --------------------------------
+# (peerd/coordinator.py on the leader, peerd/deploy.py and peerd/unit_transfer.py on every
+# peer, peerd/model_host.py on the peer started with --model)
+
+MAX_CHUNK_BYTES = 16 * 1024 * 1024
+MODEL_STATES = ("sharding", "ready", "failed")
+DEPLOY_STATES = ("fetching", "loading", "ready", "failed")
+_HEX_DIGITS = frozenset("0123456789abcdef")
+
+
+def _require_sha256(value: str, where: str) -> None:
+    _require(len(value) == 64 and set(value) <= _HEX_DIGITS, f"{where}: not a sha256 digest")
+
+
+@message("manifest-request")
+@dataclasses.dataclass(frozen=True)
+class ManifestRequest:
+    """The leader of ``epoch`` asks a model peer for its manifest; ``have`` is the key of the
+    manifest it already holds, which the answer then leaves out."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    epoch: int
+    have: str | None
+
+
+@message("manifest-offer")
+@dataclasses.dataclass(frozen=True)
+class ManifestOffer:
+    """A model peer's sharding ``state`` (``detail``: the last progress line, or the error);
+    once ``ready``, the manifest's ``key`` and, unless the asker has it, the manifest itself
+    (the map of ``manifest.json``)."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    model: str
+    state: str
+    detail: str
+    key: str | None
+    manifest: dict[str, Any] | None
+
+    def __post_init__(self):
+        _require(self.state in MODEL_STATES, f"manifest-offer: unknown state {self.state!r}")
+        _require((self.key is not None) == (self.state == "ready"),
+                 "manifest-offer: a key comes with state ready, and only then")
+        _require(self.manifest is None or self.key is not None,
+                 "manifest-offer: a manifest without a key")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanStage:
+    """``peer`` runs units ``first`` to ``last`` (inclusive)."""
+
+    peer: str
+    first: int
+    last: int
+
+    def __post_init__(self):
+        _require(0 <= self.first <= self.last, "plan stage: bad unit range")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanFigures:
+    """What the planner predicts for a plan."""
+
+    latency_s: float
+    throughput_tps: float
+    bottleneck_s: float
+
+
+@message("plan")
+@dataclasses.dataclass(frozen=True)
+class PlanAssignment:
+    """Plan ``plan_id`` of the leader of ``epoch``, sent to every member.
+
+    ``stages`` cover the manifest's units in order, the first on ``model_peer``, which serves
+    the unit files. A peer loads the units of its own stage; a peer without one unloads. No
+    stages means that no plan is possible now, and ``problem`` says why.
+    """
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    epoch: int
+    plan_id: int
+    stages: tuple[PlanStage, ...]
+    model: str | None
+    model_peer: str | None
+    manifest: dict[str, Any] | None
+    objective: str
+    solver: str
+    predicted: PlanFigures | None
+    problem: str | None
+
+    def __post_init__(self):
+        _require(self.epoch > 0 and self.plan_id > 0, "plan: epoch and plan_id must be positive")
+        if not self.stages:
+            _require(self.problem is not None, "plan: neither stages nor a problem")
+            return
+        _require(self.problem is None, "plan: stages and a problem")
+        _require(
+            None not in (self.model, self.model_peer, self.manifest, self.predicted),
+            "plan: stages without a model, model peer, manifest or prediction",
+        )
+        first = self.stages[0]
+        _require(first.peer == self.model_peer and first.first == 0,
+                 "plan: the first stage must start at unit 0 on the model peer")
+        for before, after in zip(self.stages, self.stages[1:], strict=False):
+            _require(after.first == before.last + 1, "plan: stages do not follow each other")
+        _require(len({s.peer for s in self.stages}) == len(self.stages),
+                 "plan: a peer holds two stages")
+
+
+@message("deploy-report")
+@dataclasses.dataclass(frozen=True)
+class DeployReport:
+    """A peer's progress on plan ``plan_id`` of ``epoch``, sent to that leader: ``received``
+    of ``total`` bytes of unit files fetched, then ``ready`` with the ``units`` it loaded, or
+    ``failed`` with the reason in ``detail``."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    epoch: int
+    plan_id: int
+    state: str
+    units: tuple[int, ...]
+    received: int
+    total: int
+    detail: str
+
+    def __post_init__(self):
+        _require(self.state in DEPLOY_STATES, f"deploy-report: unknown state {self.state!r}")
+        _require(0 <= self.received <= self.total, "deploy-report: bad byte counts")
+
+
+@message("unit-chunk-request", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class UnitChunkRequest:
+    """Asks the model peer for ``length`` bytes of unit file ``sha256`` from ``offset``."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    sha256: str
+    offset: int
+    length: int
+
+    def __post_init__(self):
+        _require_sha256(self.sha256, "unit-chunk-request")
+        _require(self.offset >= 0, "unit-chunk-request: negative offset")
+        _require(0 < self.length <= MAX_CHUNK_BYTES, "unit-chunk-request: length out of range")
+
+
+@message("unit-chunk", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class UnitChunk:
+    """Bytes from ``offset`` of unit file ``sha256`` (``size`` bytes in all), as one 1-D
+    uint8 tensor named ``data``."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    sha256: str
+    offset: int
+    size: int
+    tensors: Tensors
+
+    def __post_init__(self):
+        _require_sha256(self.sha256, "unit-chunk")
+        data = self.tensors.get("data")
+        _require(
+            len(self.tensors) == 1 and data is not None and data.dtype == np.uint8
+            and data.ndim == 1,
+            "unit-chunk: expected one 1-D uint8 tensor named 'data'",
+        )
+        _require(0 < data.nbytes <= MAX_CHUNK_BYTES, "unit-chunk: chunk size out of range")
+        _require(self.offset >= 0 and self.offset + data.nbytes <= self.size,
+                 "unit-chunk: chunk outside the file")
+
+
+@message("unit-refused", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class UnitRefused:
+    """The model peer cannot serve a chunk request, and ``reason`` says why."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    reason: str
 
 
 def encode(msg: Any) -> list[bytes | memoryview]:
@@ -88,8 +625,19 @@ def encode(msg: Any) -> list[bytes | memoryview]:
         if field.name == "tensors":
             header["tensors"], frames = _tensor_frames(value)
         else:
-            header[field.name] = value
+            header[field.name] = _plain(value)
     return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def _plain(value: Any) -> Any:
+    """Nested dataclasses as maps, tuples as lists: what msgpack can carry."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def _tensor_frames(tensors: Tensors) -> tuple[list, list[memoryview]]:
@@ -113,25 +661,43 @@ def decode(frames: Sequence[bytes | memoryview | Any]) -> Any:
     if total > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {total} bytes exceeds {MAX_MESSAGE_BYTES}")
     header = _unpack_header(buffers[0])
-    cls = _REGISTRY.get(header.pop("kind", None))
+    kind = header.pop("kind", None)
+    cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError("unknown message kind")
+    if "tensors" in _hints(cls):
+        header["tensors"] = _decode_tensors(header.get("tensors"), buffers[1:])
+    elif len(buffers) > 1:
+        raise ProtocolError(f"{cls.KIND}: carries no tensors but has {len(buffers) - 1} frames")
+    return _build(cls, header, cls.KIND)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _build(cls: type, header: dict, where: str) -> Any:
+    """An instance of dataclass ``cls`` from a decoded map, every field checked."""
     values: dict[str, Any] = {}
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     for field in dataclasses.fields(cls):
-        if field.name == "tensors":
-            values["tensors"] = _decode_tensors(header.pop("tensors", None), buffers[1:])
-            continue
         if field.name not in header:
             if field.default is not dataclasses.MISSING:
                 continue
-            raise ProtocolError(f"{cls.KIND}: missing field {field.name!r}")
-        values[field.name] = _check(header.pop(field.name), hints[field.name], field.name)
+            raise ProtocolError(f"{where}: missing field {field.name!r}")
+        value = header.pop(field.name)
+        values[field.name] = (
+            value if field.name == "tensors" else _check(value, hints[field.name], field.name)
+        )
     if header:
-        raise ProtocolError(f"{cls.KIND}: unexpected fields {sorted(header)}")
-    if "tensors" not in values and len(buffers) > 1:
-        raise ProtocolError(f"{cls.KIND}: carries no tensors but has {len(buffers) - 1} frames")
-    return cls(**values)
+        raise ProtocolError(f"{where}: unexpected fields {sorted(map(str, header))}")
+    try:
+        return cls(**values)
+    except ProtocolError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"{where}: {exc}") from None
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -177,7 +743,7 @@ def _tensor_spec(spec: Any) -> tuple[str, str, tuple[int, ...]]:
     if not (isinstance(spec, list) and len(spec) == 3):
         raise ProtocolError("tensor spec is not [name, dtype, shape]")
     name, dtype, shape = spec
-    if not isinstance(name, str) or dtype not in WIRE_DTYPES:
+    if not isinstance(name, str) or not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
         raise ProtocolError(f"tensor spec has a bad name or dtype: {name!r} {dtype!r}")
     if not (
         isinstance(shape, list)
@@ -221,6 +787,9 @@ def _check(value: Any, hint: Any, name: str) -> Any:
     elif hint in (int, str, bool, bytes):
         if type(value) is hint:
             return value
+    elif dataclasses.is_dataclass(hint):
+        if isinstance(value, dict):
+            return _build(hint, dict(value), name)
     else:
         raise TypeError(f"field {name!r}: annotation {hint} is not supported on the wire")
     raise ProtocolError(f"field {name!r}: {type(value).__name__} is not {hint}")

@@ -88,11 +88,16 @@ class Tokenizer:
             raise ModelError(f"chat template failed: {exc}") from None
 
     def prompt_ids(self, text: str) -> list[int]:
-        """Ids for a user prompt: through the chat template when there is one (the rendered
-        text already holds its special tokens), else plain `encode`."""
+        """Ids for a single user prompt (see `conversation_ids`)."""
+        return self.conversation_ids([{"role": "user", "content": text}])
+
+    def conversation_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Ids for a conversation: through the chat template when there is one (the rendered
+        text already holds its special tokens), else the messages' contents, one per line,
+        through plain `encode`."""
         if self.chat_template is None:
-            return self.encode(text)
-        rendered = self.apply_chat_template([{"role": "user", "content": text}])
+            return self.encode("\n".join(str(m.get("content", "")) for m in messages))
+        rendered = self.apply_chat_template(messages)
         return self.encode(rendered, add_special_tokens=False)
 
 

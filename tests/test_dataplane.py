@@ -5,18 +5,13 @@ import contextlib
 
 import numpy as np
 import pytest
+from ring import eventually, reference, running_ring
 from toy_units import ToyModel, write_toy
 
 from peerd import protocol
-from peerd.dataplane import Busy, DataPlane, GenerationError, Limits, Request
-from peerd.identity import ClusterSecret, KeyPair
-from peerd.transport import Endpoint, Transport, TransportError
-from shards.executor import StageExecutor
+from peerd.dataplane import Busy, GenerationError, Limits, Request
 from shards.sampling import SamplingParams
 
-SECRET = ClusterSecret(b"d" * 32)
-HOST = "127.0.0.1"
-STAGES = [("a", 0, 0), ("b", 1, 1), ("c", 2, 2)]
 PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 0], [3, 3], [2], [7, 1], [9, 9, 9]]
 
 
@@ -27,75 +22,16 @@ def toy(tmp_path_factory):
     return model, write_toy(directory, model), directory
 
 
-class Peer:
-    def __init__(self, peer_id: str):
-        self.id = peer_id
-        self.keys = KeyPair.generate()
-        self.transport = Transport(self.keys, SECRET, self._handle, HOST)
-        self.ports = self.transport.start()
-        self.plane: DataPlane | None = None
-        self.names: dict[str, str] = {}
-
-    def _handle(self, incoming) -> None:
-        if isinstance(incoming.msg, protocol.Ping):
-            incoming.reply(protocol.Pong(incoming.msg.req))
-            return
-        self.plane.handle(self.names[incoming.sender_key], incoming.msg, incoming.reply)
-
-    async def reach(self, other: str) -> None:
-        """Wait until the CURVE handshake with `other` is done and it answers."""
-        deadline = asyncio.get_running_loop().time() + 5
-        while True:
-            try:
-                await self.transport.request(other, protocol.Ping(req=0), 0.2)
-                return
-            except TransportError:
-                if asyncio.get_running_loop().time() > deadline:
-                    raise
-                await asyncio.sleep(0.02)
-
-    def endpoint(self) -> Endpoint:
-        return Endpoint(HOST, self.ports.control, self.ports.data, self.keys.public)
-
-
 @pytest.fixture
 async def ring(toy):
     _, manifest, directory = toy
-    peers = [Peer(peer_id) for peer_id, _, _ in STAGES]
-    for peer in peers:
-        for other in peers:
-            if other is not peer:
-                peer.transport.admit(other.keys.public)
-                peer.transport.connect(other.id, other.endpoint())
-                peer.names[other.keys.public] = other.id
-    for peer, (_, first, last) in zip(peers, STAGES, strict=True):
-        executor = StageExecutor(manifest, directory, first, last)
-        limits = Limits(max_sequences=8, max_waiting=2, send_timeout_s=5.0)
-        peer.plane = DataPlane(peer.id, peer.transport, STAGES, manifest, executor, limits=limits)
-    await asyncio.gather(*(p.reach(o.id) for p in peers for o in peers if o is not p))
-    yield peers
-    for peer in peers:
-        await peer.plane.close()
-        await peer.transport.close()
-
-
-def _reference(model: ToyModel, prompt: list[int], count: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(count):
-        ids.append(int(np.argmax(model.logits(ids)[-1])))
-    return ids[len(prompt):]
+    limits = Limits(max_sequences=8, max_waiting=2, send_timeout_s=5.0)
+    async with running_ring(manifest, directory, limits) as peers:
+        yield peers
 
 
 def _request(prompt, max_tokens=10, **sampling) -> Request:
     return Request(prompt, SamplingParams(**sampling), max_tokens, frozenset())
-
-
-async def _eventually(condition, what: str, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 async def test_eight_concurrent_generations_are_exact_and_free_their_state(toy, ring):
@@ -109,8 +45,8 @@ async def test_eight_concurrent_generations_are_exact_and_free_their_state(toy, 
         timeout=30,
     )
     for i, prompt in enumerate(PROMPTS):
-        assert results[i] == streamed[i] == _reference(model, prompt, 10)
-    await _eventually(
+        assert results[i] == streamed[i] == reference(model, prompt, 10)
+    await eventually(
         lambda: all(p.plane.worker.executor.sequence_count == 0 for p in ring), "K/V freed"
     )
 
@@ -135,8 +71,8 @@ async def test_cancelling_one_answer_leaves_the_others_exact_and_frees_its_state
     with contextlib.suppress(asyncio.CancelledError):
         await victim
     results = await asyncio.wait_for(asyncio.gather(*others), 30)
-    assert results == [_reference(model, p, 10) for p in PROMPTS[:3]]
-    await _eventually(
+    assert results == [reference(model, p, 10) for p in PROMPTS[:3]]
+    await eventually(
         lambda: all(p.plane.worker.executor.sequence_count == 0 for p in ring), "K/V freed"
     )
 
@@ -147,7 +83,7 @@ async def test_beyond_the_waiting_line_requests_are_refused_as_busy(ring):
         asyncio.create_task(head.generate(_request([1], max_tokens=200), lambda t: None))
         for _ in range(8 + 2)
     ]
-    await _eventually(lambda: head._waiting == 2, "two waiting")
+    await eventually(lambda: head._waiting == 2, "two waiting")
     with pytest.raises(Busy, match="busy"):
         await head.generate(_request([1]), lambda t: None)
     for task in long:

@@ -104,3 +104,15 @@ def test_a_message_from_an_unexpected_stage_or_with_wrong_tensors_is_refused(toy
         last.accept(2, StageData("s", 0, {}))
     with pytest.raises(ValueError, match="sent"):
         last.accept(1, StageData("s", 0, {"bias": np.zeros((1, 1, 1), np.float32)}))
+
+
+def test_a_restarted_generation_re_prefills_and_continues_exactly(toy):
+    model = toy[0]
+    generation = Generation("s", [1, 2, 3], 5, frozenset())
+    _pipeline(toy, 3).generate([(generation, SamplingParams())])
+    generation.max_tokens = 12
+    generation.restart("s-again")
+    step, inputs = generation.step_inputs()
+    assert step == 0 and inputs["input_ids"].tolist() == [[1, 2, 3, *generation.tokens]]
+    _pipeline(toy, 2).generate([(generation, SamplingParams())])
+    assert generation.tokens == _reference_greedy(model, [1, 2, 3], 12)

@@ -1,0 +1,97 @@
+"""Three peers on real CURVE transports over loopback, each running one stage of the toy
+units (tests/toy_units.py) with a DataPlane and a ChatService, like daemons in a plan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import numpy as np
+from toy_units import ToyModel
+
+from peerd import protocol
+from peerd.dataplane import DataPlane, Limits
+from peerd.identity import ClusterSecret, KeyPair
+from peerd.serving import ChatService, Head
+from peerd.transport import Endpoint, Transport, TransportError
+from shards.executor import StageExecutor
+
+SECRET = ClusterSecret(b"d" * 32)
+HOST = "127.0.0.1"
+STAGES = [("a", 0, 0), ("b", 1, 1), ("c", 2, 2)]
+CHAT_MESSAGES = (protocol.ChatRequest, protocol.ChatEvent, protocol.ChatCancel)
+
+
+class Peer:
+    def __init__(self, peer_id: str):
+        self.id = peer_id
+        self.keys = KeyPair.generate()
+        self.transport = Transport(self.keys, SECRET, self._handle, HOST)
+        self.ports = self.transport.start()
+        self.plane: DataPlane | None = None
+        self.chat = ChatService(self.transport)
+        self.names: dict[str, str] = {}
+
+    def _handle(self, incoming) -> None:
+        msg, sender = incoming.msg, self.names[incoming.sender_key]
+        if isinstance(msg, protocol.Ping):
+            incoming.reply(protocol.Pong(msg.req))
+        elif isinstance(msg, CHAT_MESSAGES):
+            self.chat.handle(sender, msg)
+        else:
+            self.plane.handle(sender, msg, incoming.reply)
+
+    def endpoint(self) -> Endpoint:
+        return Endpoint(HOST, self.ports.control, self.ports.data, self.keys.public)
+
+    async def reach(self, other: str) -> None:
+        """Wait until the CURVE handshake with `other` is done and it answers."""
+        deadline = asyncio.get_running_loop().time() + 5
+        while True:
+            try:
+                await self.transport.request(other, protocol.Ping(req=0), 0.2)
+                return
+            except TransportError:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def running_ring(manifest, unit_dir, limits: Limits, max_positions: int = 64):
+    peers = [Peer(peer_id) for peer_id, _, _ in STAGES]
+    for peer in peers:
+        for other in peers:
+            if other is not peer:
+                peer.transport.admit(other.keys.public)
+                peer.transport.connect(other.id, other.endpoint())
+                peer.names[other.keys.public] = other.id
+    for peer, (_, first, last) in zip(peers, STAGES, strict=True):
+        executor = StageExecutor(manifest, unit_dir, first, last)
+        peer.plane = DataPlane(peer.id, peer.transport, STAGES, manifest, executor, limits=limits)
+        peer.chat.head_peer = "a"
+    peers[0].chat.head = Head(peers[0].plane, None, frozenset(), max_positions)
+    await asyncio.gather(*(p.reach(o.id) for p in peers for o in peers if o is not p))
+    try:
+        yield peers
+    finally:
+        for peer in peers:
+            await peer.chat.close()
+            await peer.plane.close()
+            await peer.transport.close()
+
+
+def reference(model: ToyModel, prompt: list[int], count: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(count):
+        ids.append(int(np.argmax(model.logits(ids)[-1])))
+    return ids[len(prompt):]
+
+
+async def eventually(condition, what: str, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+

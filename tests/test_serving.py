@@ -1,0 +1,96 @@
+"""Chats served on the head and forwarded from other peers, over real transports."""
+
+import asyncio
+
+import pytest
+from ring import eventually, reference, running_ring
+from toy_units import ToyModel, write_toy
+
+from peerd.dataplane import Limits
+from peerd.errors import PeerdError
+from peerd.serving import parse_chat
+
+PROMPT = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("toy")
+    model = ToyModel()
+    return model, write_toy(directory, model), directory
+
+
+@pytest.fixture
+async def ring(toy):
+    _, manifest, directory = toy
+    async with running_ring(manifest, directory, Limits(send_timeout_s=5.0)) as peers:
+        yield peers
+
+
+class Client:
+    """Collects the events a local-API client would read."""
+
+    def __init__(self, leave_after: int | None = None):
+        self.events: list[dict] = []
+        self.leave_after = leave_after
+
+    async def send(self, event: dict) -> None:
+        if self.leave_after is not None and len(self.events) >= self.leave_after:
+            raise ConnectionResetError("client went away")
+        self.events.append(event)
+
+
+@pytest.mark.parametrize("asked_on", [0, 2], ids=["head", "forwarded"])
+async def test_a_chat_streams_every_token_then_the_exact_answer(toy, ring, asked_on):
+    client = Client()
+    request = {"op": "chat", "prompt_ids": PROMPT, "max_tokens": 9}
+    await asyncio.wait_for(ring[asked_on].chat.op_chat(request, client.send), 20)
+    expected = reference(toy[0], PROMPT, 9)
+    *tokens, done = client.events
+    assert [e["token"] for e in tokens] == expected
+    assert done["event"] == "done" and done["token_ids"] == expected
+    assert done["stats"]["generated_tokens"] == 9 and done["stats"]["stages"] == 3
+
+
+async def test_a_forwarded_chat_whose_client_leaves_ends_on_every_peer(ring):
+    client = Client(leave_after=2)
+    request = {"op": "chat", "prompt_ids": PROMPT, "max_tokens": 60}
+    with pytest.raises(ConnectionResetError):
+        await asyncio.wait_for(ring[1].chat.op_chat(request, client.send), 20)
+    await eventually(lambda: not ring[0].chat._forwarded, "the head ended the answer")
+    await eventually(
+        lambda: all(p.plane.worker.executor.sequence_count == 0 for p in ring), "K/V freed"
+    )
+
+
+async def test_errors_on_the_head_reach_a_forwarding_client_as_error_events(ring):
+    client = Client()
+    request = {"op": "chat", "prompt_ids": PROMPT, "max_tokens": 100}  # 3 + 100 > 64 positions
+    await asyncio.wait_for(ring[2].chat.op_chat(request, client.send), 20)
+    assert client.events == [
+        {"ok": False, "error": "3 prompt tokens + 100 new tokens exceed the model's 64 positions"}
+    ]
+
+
+async def test_text_prompts_need_a_tokenizer(ring):
+    with pytest.raises(PeerdError, match="no tokenizer"):
+        await ring[0].chat.op_chat({"messages": [{"role": "user", "content": "hi"}]}, Client().send)
+
+
+@pytest.mark.parametrize(
+    "request_, reason",
+    [
+        ({}, "exactly one of"),
+        ({"prompt_ids": [1], "messages": []}, "exactly one of"),
+        ({"prompt_ids": []}, "non-empty list of integers"),
+        ({"prompt_ids": ["1"]}, "non-empty list of integers"),
+        ({"messages": [{"role": "user"}]}, '"role", "content"'),
+        ({"prompt_ids": [1], "max_tokens": 0}, "max_tokens"),
+        ({"prompt_ids": [1], "max_tokens": True}, "max_tokens"),
+        ({"prompt_ids": [1], "top_p": 2}, "top-p"),
+        ({"prompt_ids": [1], "temperature": "hot"}, "sampling"),
+    ],
+)
+def test_malformed_chat_requests_are_refused_with_the_reason(request_, reason):
+    with pytest.raises(PeerdError, match=reason):
+        parse_chat(request_)
