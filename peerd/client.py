@@ -1,4 +1,4 @@
-"""`peerd status`, `peerd stop` and `peerd chat`: clients of the local daemon's socket."""
+"""`peerd status` and `peerd stop`, and the connection every client of the local socket uses."""
 
 from __future__ import annotations
 
@@ -97,7 +97,3 @@ def cmd_stop(args: argparse.Namespace) -> int:
         time.sleep(0.05)
     print("peerd stopped")
     return 0
-
-
-def cmd_chat(args: argparse.Namespace) -> int:
-    raise PeerdError("chat needs a deployed model")

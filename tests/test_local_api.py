@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from peerd import client, election, membership, statedir, status
+from peerd import chat, client, election, membership, statedir, status
 from peerd.errors import PeerdError
 from peerd.local_api import MAX_LINE_BYTES, EventBus, LocalApi
 from peerd.protocol import Battery, ClusterReport, LinkFigures, PeerFigures
@@ -195,9 +195,11 @@ def test_clients_explain_that_no_daemon_is_running(tmp_path):
         client.cmd_stop(_args(tmp_path))
 
 
-def test_chat_is_not_available_yet(tmp_path):
-    with pytest.raises(PeerdError, match="chat needs a deployed model"):
-        client.cmd_chat(_args(tmp_path))
+def test_chat_explains_that_no_daemon_is_running(tmp_path):
+    args = _args(tmp_path, prompt=None, prompt_ids=[1, 2], max_tokens=4, temperature=0.0,
+                 top_k=0, top_p=1.0, seed=0, json=True)
+    with pytest.raises(PeerdError, match="no daemon is running"):
+        chat.cmd_chat(args)
 
 
 def test_an_over_long_socket_path_is_refused(tmp_path):
