@@ -41,6 +41,7 @@ from peerd.local_api import EventBus, LocalApi, Send
 from peerd.model_host import ModelHost
 from peerd.monitor import Monitor, on_mains, parse_size
 from peerd.records import PeerRecord, RecordError, verify
+from peerd.serving import Serving
 from peerd.transport import Endpoint, Incoming, Transport, TransportError
 from peerd.unit_store import UnitStore
 from peerd.unit_transfer import CHUNK_TIMEOUT_S, ChunkServer
@@ -52,6 +53,10 @@ PROBE_TIMEOUT_S = 60.0
 CAPABILITY_CHECK_S = 1.0
 UNITS_DIR = "units"  # the unit file cache in the state directory
 ELECTION_KINDS = (protocol.VoteRequest, protocol.Vote, protocol.LeaderAnnounce)
+SERVING_KINDS = (
+    protocol.StageData, protocol.SequenceOpen, protocol.SequenceToken, protocol.SequenceDrop,
+    protocol.SequenceFailed, protocol.ChatRequest, protocol.ChatEvent, protocol.ChatCancel,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +106,9 @@ class Daemon:
             self._send_deploy_report, local_files=self._served_files,
         )
         self.coordinator = Coordinator(self._ask_manifest, self._send_plan)
+        self.serving = Serving(
+            identity.id, self.transport, Path(options.model) if options.model else None
+        )
         self._peers_view: election.PeersChanged | None = None
         self._links: tuple[protocol.LinkFigures, ...] = ()
         self._linked: frozenset[str] = frozenset()
@@ -126,6 +134,7 @@ class Daemon:
             protocol.PlanAssignment: self._plan_assignment,
             protocol.DeployReport: self._deploy_report,
             protocol.UnitChunkRequest: self._unit_chunk_request,
+            **{kind: self._serving_message for kind in SERVING_KINDS},
         }
 
     @property
@@ -149,7 +158,8 @@ class Daemon:
         )
         self.api = LocalApi(
             statedir.socket_path(self.options.state_dir),
-            {"status": self._op_status, "stop": self._op_stop, "subscribe": self._op_subscribe},
+            {"status": self._op_status, "stop": self._op_stop, "subscribe": self._op_subscribe,
+             "chat": self._op_chat},
         )
         self.discovery = MdnsDiscovery(
             self.record, self.secret, self.options.interface, self._on_record,
@@ -187,6 +197,7 @@ class Daemon:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.serving.close()
         await self.deployment.close()
         if self.model_host is not None:
             await self.model_host.close()
@@ -527,6 +538,17 @@ class Daemon:
         if self.coordinator.on_report(peer_id, report):
             self._remeasure.set()  # a round now shows every peer's loaded units
 
+    # -- serving ------------------------------------------------------------------------------
+
+    def _refresh_serving(self) -> None:
+        """Bring the data plane in line with the deployed plan and the leader's last report."""
+        figures = self.report.peers if self.report else None
+        self.serving.refresh(self.deployment.assignment, self.deployment.loaded, figures)
+
+    def _serving_message(self, member, msg, incoming) -> None:
+        self._refresh_serving()
+        self.serving.handle(member.id, msg, incoming.reply)
+
     def _unit_chunk_request(self, member, msg: protocol.UnitChunkRequest, incoming) -> None:
         async def answer() -> None:
             incoming.reply(await self.chunks.answer(msg))
@@ -554,6 +576,8 @@ class Daemon:
             self.deployment.plan_document(), self._model(),
         )
         document["deployment"] = self.deployment.status()
+        self._refresh_serving()
+        document["dataplane"] = self.serving.status()
         document["torch_imported"] = "torch" in sys.modules
         return document
 
@@ -579,6 +603,10 @@ class Daemon:
     async def _op_stop(self, request: dict[str, Any], send: Send) -> None:
         await send({"ok": True, "stopping": True})
         self.stop()
+
+    async def _op_chat(self, request: dict[str, Any], send: Send) -> None:
+        self._refresh_serving()
+        await self.serving.chat.op_chat(request, send)
 
     async def _op_subscribe(self, request: dict[str, Any], send: Send) -> None:
         with self.events.subscription() as queue:

@@ -34,13 +34,15 @@ class Outgoing:
 
 @dataclass
 class StageCounters:
-    """What one stage did: compute time and bytes sent to the next / later stages."""
+    """What one stage did: compute time, bytes sent to the next / later stages, and bytes
+    received per tensor name (which shows that residuals reach only their consumers)."""
 
     steps: int = 0
     compute_s: float = 0.0
     sequential_bytes: int = 0
     residual_bytes: int = 0
     residual_bytes_by_target: dict[int, int] = field(default_factory=dict)
+    received_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,6 +77,9 @@ class StageWorker:
                 f"stage {self.stage}: stage {source} sent {sorted(message.tensors)}, "
                 f"expected {sorted(expected)}"
             )
+        for name, tensor in message.tensors.items():
+            received = self.counters.received_bytes
+            received[name] = received.get(name, 0) + tensor.nbytes
         key = (message.seq_id, message.step)
         arrived = self._pending.setdefault(key, {})
         arrived[source] = message.tensors

@@ -12,19 +12,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from peerd.dataplane import DataPlane, GenerationError, Request
+from peerd.dataplane import DataPlane, GenerationError, Limits, Request
+from peerd.deploy import LoadedStage
 from peerd.errors import PeerdError
-from peerd.protocol import ChatCancel, ChatEvent, ChatRequest
+from peerd.protocol import (
+    ChatCancel,
+    ChatEvent,
+    ChatRequest,
+    PeerFigures,
+    PlanAssignment,
+    PlanStage,
+)
 from peerd.transport import Transport, TransportError
 from shards.errors import ModelError
+from shards.manifest import Manifest
 from shards.sampling import SamplingParams
 from shards.tokenizer import Tokenizer
+
+log = logging.getLogger("peerd.serving")
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -252,3 +266,94 @@ def _stats(plane: DataPlane, prompt_tokens: int, started: float, times: list[flo
         "fp16_wire": plane.worker.fp16_wire,
         "head_compute_s": round(counters.compute_s, 6),
     }
+
+
+def plan_active(
+    stages: tuple[PlanStage, ...], figures: tuple[PeerFigures, ...] | None
+) -> bool:
+    """Whether the leader's latest report shows every stage peer with exactly its units."""
+    if not stages or figures is None:
+        return False
+    loaded = {f.id: f.units for f in figures}
+    return all(loaded.get(s.peer) == tuple(range(s.first, s.last + 1)) for s in stages)
+
+
+class Serving:
+    """The data plane and chat service of whatever plan this peer has deployed.
+
+    The plane is rebuilt when the plan or the loaded executor changes (answers running on
+    the old plane end with an error the client sees); the head accepts chats once the
+    leader's report shows every stage loaded.
+    """
+
+    def __init__(self, me: str, transport: Transport, model_dir: Path | None,
+                 limits: Limits | None = None) -> None:
+        self.me = me
+        self.transport = transport
+        self.model_dir = model_dir
+        self.limits = limits or Limits()
+        self.chat = ChatService(transport)
+        self.plane: DataPlane | None = None
+        self._built_for: tuple | None = None
+        self._retired: set[asyncio.Task] = set()
+
+    def refresh(self, plan: PlanAssignment | None, loaded: LoadedStage | None,
+                figures: tuple[PeerFigures, ...] | None) -> None:
+        stages = plan.stages if plan else ()
+        key = (plan.epoch, plan.plan_id, id(loaded.executor)) if plan and loaded else None
+        if key != self._built_for:
+            self._retire()
+            if key is not None:
+                ring = [(s.peer, s.first, s.last) for s in stages]
+                self.plane = DataPlane(self.me, self.transport, ring, loaded.manifest,
+                                       loaded.executor, limits=self.limits)
+            self._built_for = key
+        active = plan_active(stages, figures)
+        self.chat.head_peer = stages[0].peer if active else None
+        if active and self.plane is not None and self.plane.is_head:
+            if self.chat.head is None or self.chat.head.plane is not self.plane:
+                self.chat.head = self._head(self.plane, loaded.manifest)
+        else:
+            self.chat.head = None
+
+    def _head(self, plane: DataPlane, manifest: Manifest) -> Head:
+        tokenizer = None
+        if self.model_dir is not None and (self.model_dir / "tokenizer.json").is_file():
+            tokenizer = Tokenizer.from_dir(self.model_dir)
+        model = manifest.model
+        return Head(plane, tokenizer, frozenset(model.eos_token_ids), model.max_positions)
+
+    def _retire(self) -> None:
+        if self.plane is not None:
+            task = asyncio.get_running_loop().create_task(self.plane.close())
+            self._retired.add(task)
+            task.add_done_callback(self._retired.discard)
+        self.plane = None
+        self.chat.head = None
+
+    def handle(self, sender: str, message: Any, reply: Callable[[Any], None]) -> None:
+        if isinstance(message, (ChatRequest, ChatEvent, ChatCancel)):
+            self.chat.handle(sender, message)
+        elif self.plane is not None:
+            self.plane.handle(sender, message, reply)
+        else:
+            log.info("dropped %s from %s: no stage is loaded here", message.KIND, sender)
+
+    def status(self) -> dict[str, Any]:
+        """What `peerd status` shows of the data plane on this peer."""
+        if self.plane is None:
+            return {"stage": None, "sequences": 0, "kv_bytes": 0}
+        counters = self.plane.worker.counters
+        executor = self.plane.worker.executor
+        return {
+            "stage": self.plane.stage,
+            "head": self.chat.head is not None,
+            "sequences": executor.sequence_count,
+            "kv_bytes": executor.kv_bytes(),
+            **dataclasses.asdict(counters),
+        }
+
+    async def close(self) -> None:
+        await self.chat.close()
+        self._retire()
+        await asyncio.gather(*self._retired, return_exceptions=True)

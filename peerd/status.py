@@ -129,7 +129,7 @@ def render(status: dict[str, Any]) -> str:
     ]
     if link_rows:
         lines += ["", _table(["FROM", "TO", "LATENCY", "BANDWIDTH"], link_rows)]
-    lines += ["", f"plan    {'none yet' if status['plan'] is None else status['plan']}"]
+    lines += ["", *_model_and_plan(status["model"], status["plan"], names)]
     security = status["security"]
     if any(security.values()) or status["duplicate_of_self"]:
         lines.append(
@@ -141,6 +141,31 @@ def render(status: dict[str, Any]) -> str:
         lines.append(f"WARNING another daemon runs with this identity: "
                      f"{status['duplicate_of_self']}")
     return "\n".join(lines)
+
+
+def _model_and_plan(
+    model: dict[str, Any] | None, plan: dict[str, Any] | None, names: dict[str, str]
+) -> list[str]:
+    lines = []
+    if model is not None:
+        size = f", {model['units']} units ({model['architecture']})" if model["units"] else ""
+        lines.append(f"model   {model['name']} on {names.get(model['peer'], model['peer'])}: "
+                     f"{model['state']}{size}")
+    if plan is None:
+        return [*lines, "plan    none yet"]
+    if not plan["stages"]:
+        return [*lines, f"plan    none: {plan['problem']}"]
+    predicted = plan["predicted"]
+    lines.append(
+        f"plan    {plan['id']} of epoch {plan['epoch']} ({plan['objective']}, {plan['solver']}): "
+        f"predicted {predicted['throughput_tps']:.1f} tokens/s, "
+        f"{predicted['latency_s'] * 1000:.2f} ms per token"
+    )
+    lines += [
+        f"        units {s['units'][0]}-{s['units'][-1]} on {names.get(s['peer'], s['peer'])}"
+        for s in plan["stages"]
+    ]
+    return lines
 
 
 def _peer_row(peer: dict[str, Any]) -> list[str]:

@@ -239,6 +239,32 @@ def _peerd(*args: str) -> str:
 # -- cluster conditions -----------------------------------------------------------------------
 
 
+def deployed_plan(peers: list[Peer], old: dict | None = None) -> dict | None:
+    """The plan every peer shows, once every stage peer has loaded exactly its units (as every
+    status lists them) and the others none; None until then, or while it is still `old`."""
+    statuses = [p.status() for p in peers]
+    if any(s is None or not s["plan"] or not s["plan"]["stages"] for s in statuses):
+        return None
+    plans = {(s["plan"]["epoch"], s["plan"]["id"]) for s in statuses}
+    if len(plans) != 1 or (old and plans == {(old["epoch"], old["id"])}):
+        return None
+    plan = statuses[0]["plan"]
+    expected = {p.id: [] for p in peers} | {s["peer"]: s["units"] for s in plan["stages"]}
+    for status in statuses:
+        loaded = {entry["id"]: entry["units"] for entry in status["peers"]}
+        if any(loaded.get(peer) != units for peer, units in expected.items()):
+            return None
+    return plan
+
+
+def sharded_model(peer: Peer) -> dict | None:
+    status = peer.status()
+    model = status and status["model"]
+    if model and model.get("state") == "failed":
+        raise AssertionError(f"the model peer could not shard the model: {model['detail']}")
+    return model if model and model.get("state") == "ready" else None
+
+
 def agreement(statuses: list[dict | None], members: list[str]) -> dict | None:
     """(leader, epoch) when every status lists exactly ``members`` alive and names the same
     leader and epoch, with measured flops for every member and links between every ordered

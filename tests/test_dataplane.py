@@ -56,6 +56,9 @@ async def test_residuals_reach_only_the_stage_that_consumes_them(ring):
     head, middle, last = (p.plane.worker.counters for p in ring)
     assert set(head.residual_bytes_by_target) == {2}
     assert middle.residual_bytes == 0 and last.residual_bytes == 0
+    assert set(middle.received_bytes) == {"hidden0", "bias"}
+    assert set(last.received_bytes) == {"hidden1", "bias"}
+    assert head.received_bytes == {}
 
 
 async def test_cancelling_one_answer_leaves_the_others_exact_and_frees_its_state(toy, ring):

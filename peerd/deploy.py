@@ -1,0 +1,273 @@
+"""A peer's side of a plan: get the unit files of its stage, load them, report to the leader.
+
+Every member receives each plan (peerd.protocol.PlanAssignment). A peer with a stage looks
+for each of its units' files: the model peer has them in its shard directory; any other peer
+looks in its UnitStore (re-hashing a cached file first, so a corrupted one is fetched again,
+never loaded) and pulls the missing ones from the model peer in verified, resumable chunks
+(peerd.unit_transfer). It then loads a StageExecutor for exactly its units and reports
+``ready``; a peer without a stage unloads and reports ``ready`` with no units. Progress goes
+to the leader as DeployReports and to the log.
+
+A newer plan (by leader epoch, then plan id) cancels work on an older one; bytes already
+received stay in the store, so the next plan resumes them. A plan equal to the one loaded
+(same manifest and unit range) keeps the executor as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from peerd.protocol import DeployReport, PlanAssignment, PlanStage
+from peerd.unit_store import UnitStore
+from peerd.unit_transfer import CHUNK_BYTES, Ask, fetch_unit
+from shards.executor import StageExecutor
+from shards.manifest import Manifest, ManifestError, Unit
+
+log = logging.getLogger("peerd.deploy")
+
+REPORT_INTERVAL_S = 1.0
+FETCHING, LOADING, READY, FAILED = "fetching", "loading", "ready", "failed"
+IDLE, PENDING = "idle", "pending"  # no plan yet; a plan accepted, work not started
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedStage:
+    """The units this peer runs: units ``first``..``last`` of ``manifest``, in ``executor``."""
+
+    manifest: Manifest
+    first: int
+    last: int
+    executor: StageExecutor
+
+    @property
+    def units(self) -> tuple[int, ...]:
+        return tuple(range(self.first, self.last + 1))
+
+
+@dataclasses.dataclass
+class Progress:
+    state: str = IDLE
+    received: int = 0
+    total: int = 0
+    detail: str = ""
+
+
+class Deployment:
+    def __init__(
+        self,
+        me: str,
+        store: UnitStore,
+        ask: Callable[[str], Ask],
+        report: Callable[[DeployReport], None],
+        local_files: Callable[[], Mapping[str, Path]] = dict,
+        chunk_bytes: int = CHUNK_BYTES,
+    ):
+        """`ask(peer)` sends a chunk request to that peer and returns its answer; `report`
+        delivers a DeployReport to the leader; `local_files` are unit files this peer has
+        without fetching (sha256 -> path: the model peer's shard directory)."""
+        self.me = me
+        self.store = store
+        self._ask = ask
+        self._report = report
+        self._local_files = local_files
+        self._chunk_bytes = chunk_bytes
+        self.assignment: PlanAssignment | None = None
+        self.manifest: Manifest | None = None  # the current plan's
+        self.loaded: LoadedStage | None = None
+        self.progress = Progress()
+        self._task: asyncio.Task | None = None
+        self._have: dict[str, int] = {}
+        self._reported_at = -float("inf")
+
+    @property
+    def units(self) -> tuple[int, ...]:
+        """The units this peer has loaded."""
+        return self.loaded.units if self.loaded else ()
+
+    @property
+    def executor(self) -> StageExecutor | None:
+        return self.loaded.executor if self.loaded else None
+
+    # -- plans ---------------------------------------------------------------------------------
+
+    def assign(self, plan: PlanAssignment) -> None:
+        """Act on a plan from the leader; older plans are ignored, a repeat is answered."""
+        current = self.assignment
+        if current is not None and _order(plan) < _order(current):
+            log.info("ignored plan %d of epoch %d: plan %d of epoch %d is newer",
+                     plan.plan_id, plan.epoch, current.plan_id, current.epoch)
+            return
+        if current is not None and _order(plan) == _order(current):
+            if self._task is None or self._task.done():
+                if self.progress.state == FAILED:
+                    self._start(plan)  # the leader asks again: retry
+                else:
+                    self._send_report()
+            return
+        self._start(plan)
+
+    def _start(self, plan: PlanAssignment) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.assignment = plan
+        self.manifest = None
+        self.progress = Progress(PENDING)
+        self._have = {}
+        self._task = asyncio.create_task(self._deploy(plan), name=f"deploy-{plan.plan_id}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _deploy(self, plan: PlanAssignment) -> None:
+        stage = next((s for s in plan.stages if s.peer == self.me), None)
+        try:
+            self.manifest = _manifest(plan)
+            if stage is None:
+                self.loaded = None
+                self._set(READY, detail=plan.problem or "no stage in this plan")
+            else:
+                await self._deploy_stage(plan, stage, self.manifest)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any failure is reported to the leader, who asks again
+            log.error("plan %d: cannot deploy units %s: %s", plan.plan_id, _range(stage), exc)
+            self._set(FAILED, detail=str(exc) or type(exc).__name__)
+
+    async def _deploy_stage(
+        self, plan: PlanAssignment, stage: PlanStage, manifest: Manifest
+    ) -> None:
+        loaded = self.loaded
+        if loaded and (loaded.manifest.key, loaded.first, loaded.last) == (
+            manifest.key, stage.first, stage.last
+        ):
+            self._set(READY, detail="units already loaded")
+            return
+        units = manifest.units[stage.first : stage.last + 1]
+        paths = await self._unit_files(plan.model_peer, units)
+        self._set(LOADING, detail=f"loading units {_range(stage)}")
+        self.loaded = None  # free the old stage's memory before loading the new one
+        executor = await asyncio.to_thread(
+            StageExecutor, _at_paths(manifest, paths), self.store.root, stage.first, stage.last
+        )
+        self.loaded = LoadedStage(manifest, stage.first, stage.last, executor)
+        log.info("plan %d: loaded units %s", plan.plan_id, _range(stage))
+        self._set(READY, detail=f"loaded units {_range(stage)}")
+
+    async def _unit_files(self, model_peer: str, units: tuple[Unit, ...]) -> dict[str, Path]:
+        """Each unit's verified file, fetching those this peer lacks."""
+        paths, missing = {}, []
+        local = self._local_files()
+        for unit in units:
+            if unit.sha256 in local:
+                paths[unit.sha256] = local[unit.sha256]
+            elif await asyncio.to_thread(self.store.verify, unit.sha256):
+                paths[unit.sha256] = self.store.path(unit.sha256)
+            else:
+                missing.append(unit)
+        if not missing:
+            return paths
+        total = sum(u.file_bytes for u in missing)
+        self._set(FETCHING, total=total, detail=f"fetching {len(missing)} unit files")
+        ask = self._ask(model_peer)
+        for unit in missing:
+            paths[unit.sha256] = await fetch_unit(
+                ask, self.store, unit.sha256, unit.file_bytes, self._chunk_bytes, self._fetched
+            )
+            log.info("received unit %d (%s, %d bytes); %d of %d bytes", unit.index, unit.name,
+                     unit.file_bytes, self.progress.received, total)
+        return paths
+
+    def _fetched(self, sha256: str, have: int) -> None:
+        self._have[sha256] = have
+        self.progress.received = min(sum(self._have.values()), self.progress.total)
+        if time.monotonic() - self._reported_at >= REPORT_INTERVAL_S:
+            log.info("fetching unit files: %d of %d bytes", self.progress.received,
+                     self.progress.total)
+            self._send_report()
+
+    # -- reports -------------------------------------------------------------------------------
+
+    def _set(self, state: str, total: int | None = None, detail: str = "") -> None:
+        self.progress.state = state
+        self.progress.detail = detail
+        if total is not None:
+            self.progress.total, self.progress.received = total, 0
+        self._send_report()
+
+    def _send_report(self) -> None:
+        plan = self.assignment
+        if plan is None:
+            return
+        self._reported_at = time.monotonic()
+        p = self.progress
+        self._report(DeployReport(plan.epoch, plan.plan_id, p.state, self.units, p.received,
+                                  p.total, p.detail))
+
+    def status(self) -> dict[str, Any]:
+        plan = self.assignment
+        return {
+            "plan_id": plan.plan_id if plan else None,
+            "epoch": plan.epoch if plan else None,
+            "units": list(self.units),
+            **dataclasses.asdict(self.progress),
+        }
+
+    def plan_document(self) -> dict[str, Any] | None:
+        """The current plan as `peerd status` shows it (DESIGN.md's contract); None until a
+        plan arrives, and while no peer serves a model there is nothing to plan."""
+        plan = self.assignment
+        if plan is None or plan.model is None:
+            return None
+        predicted = dataclasses.asdict(plan.predicted) if plan.predicted else None
+        return {
+            "id": plan.plan_id,
+            "epoch": plan.epoch,
+            "stages": [
+                {"peer": s.peer, "units": list(range(s.first, s.last + 1))} for s in plan.stages
+            ],
+            "objective": plan.objective,
+            "solver": plan.solver,
+            "predicted": predicted,
+            "model": plan.model,
+            "model_peer": plan.model_peer,
+            "problem": plan.problem,
+        }
+
+
+def _order(plan: PlanAssignment) -> tuple[int, int]:
+    return plan.epoch, plan.plan_id
+
+
+def _range(stage: PlanStage | None) -> str:
+    return "none" if stage is None else f"{stage.first}-{stage.last}"
+
+
+def _manifest(plan: PlanAssignment) -> Manifest | None:
+    if plan.manifest is None:
+        return None
+    try:
+        manifest = Manifest.from_dict(plan.manifest)
+    except ManifestError as exc:
+        raise ValueError(f"the plan's manifest is unusable: {exc}") from None
+    count = len(manifest.units)
+    if plan.stages and plan.stages[-1].last != count - 1:
+        raise ValueError(f"the plan covers units 0-{plan.stages[-1].last}, the model has {count}")
+    return manifest
+
+
+def _at_paths(manifest: Manifest, paths: Mapping[str, Path]) -> Manifest:
+    """The manifest with each unit's file replaced by the absolute path it was found at
+    (an absolute file name overrides the executor's unit directory)."""
+    units = tuple(dataclasses.replace(u, file=str(paths[u.sha256].resolve())) if u.sha256 in paths
+                  else u for u in manifest.units)
+    return dataclasses.replace(manifest, units=units)

@@ -1,0 +1,68 @@
+"""The model peer's side: sharding in a child process, the manifest offer, and a daemon that
+never imports torch."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+from peerd.model_host import ModelHost
+from peerd.protocol import UnitChunk, UnitChunkRequest
+from peerd.unit_transfer import ChunkServer
+from shards.manifest import Manifest
+
+
+async def test_the_model_is_sharded_in_a_child_process_and_offered(hf_checkpoint, tmp_path,
+                                                                   caplog):
+    host = ModelHost(hf_checkpoint("llama"), tmp_path)
+    assert host.offer(1, None).state == "sharding"
+    with caplog.at_level(logging.INFO, "peerd.model_host"):
+        await host.run()
+    assert host.state == "ready", host.detail
+    assert "exported in" in caplog.text, "the child's progress is logged"
+
+    manifest = host.manifest
+    assert manifest == Manifest.load(tmp_path / "shards" / manifest.key)
+    offer = host.offer(7, None)
+    assert (offer.req, offer.state, offer.key) == (7, "ready", manifest.key)
+    assert Manifest.from_dict(offer.manifest) == manifest
+    assert host.offer(8, manifest.key).manifest is None, "the asker has it already"
+
+    unit = manifest.units[1]
+    answer = await ChunkServer(lambda: host.files).answer(
+        UnitChunkRequest(1, unit.sha256, 0, unit.file_bytes))
+    assert isinstance(answer, UnitChunk) and answer.size == unit.file_bytes
+    assert answer.tensors["data"].tobytes() == (host.files[unit.sha256]).read_bytes()
+
+
+async def test_a_model_that_cannot_be_sharded_is_reported_not_raised(tmp_path):
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    host = ModelHost(empty, tmp_path / "state")
+    await host.run()
+    assert host.state == "failed"
+    assert host.detail == f"sharding failed: not a model directory: no config.json in {empty}"
+    offer = host.offer(3, None)
+    assert (offer.state, offer.key, offer.manifest) == ("failed", None, None)
+
+
+NO_TORCH = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from toy_units import ToyModel, write_toy
+import peerd.daemon, peerd.deploy, peerd.coordinator, peerd.model_host, peerd.planning
+from shards.executor import StageExecutor
+manifest = write_toy(Path({directory!r}), ToyModel())
+StageExecutor(manifest, Path({directory!r}), 0, 2)
+print("torch" in sys.modules)
+"""
+
+
+def test_the_daemon_and_a_loaded_stage_never_import_torch(tmp_path):
+    script = NO_TORCH.format(tests=str(Path(__file__).parent), directory=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
