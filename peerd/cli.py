@@ -134,6 +134,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(handler="peerd.plan_command:cmd_plan")
 
+    p = sub.add_parser(
+        "demo",
+        help="three peers on this machine serve the built-in model and answer a chat",
+        description="Start three daemons on loopback with the built-in model (random "
+        "weights: the answer is gibberish, the distributed machinery is real), wait until "
+        "the model is sharded, planned and deployed, show the cluster and stream an answer.",
+    )
+    p.add_argument("--dir", help="where to put the model and the peers' state (default: a "
+                   "new temporary directory)")
+    p.add_argument("--prompt", default="Hello! Tell me a story about the sea.")
+    p.add_argument("--max-tokens", type=int, default=24, help="new tokens (default 24)")
+    p.add_argument("--keep", action="store_true", help="leave the daemons running afterwards")
+    p.set_defaults(handler="peerd.demo:cmd_demo")
+
     p = sub.add_parser("dashboard", help="live Textual dashboard of the local daemon")
     _add_state_dir(p)
     p.set_defaults(handler="tui.app:cmd_dashboard")

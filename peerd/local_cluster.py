@@ -1,0 +1,165 @@
+"""Several real daemons on this machine, on loopback, serving one model together.
+
+Used by `peerd demo` and the benchmarks. The model is sharded first into the model peer's
+shard cache (which that peer's daemon then finds ready); every peer gets a memory budget
+under which only all of them together can hold the model; the non-model peers find the
+model peer as a static `--peer`, since multicast on the loopback interface is not something
+to count on. Leaving the context terminates the daemons.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from peerd import identity
+from peerd.client import call
+from peerd.errors import PeerdError
+from peerd.planning import context_for
+from planner.model import Cluster
+from shards.manifest import Manifest
+
+BETA = Cluster(source="", devices=()).beta  # the share of its budget a peer offers
+READY_S = 600.0
+
+
+class LocalCluster:
+    def __init__(self, root: Path, model_dir: Path, peers: int = 3,
+                 progress: Callable[[str], None] = print) -> None:
+        self.root, self.model_dir, self.count = Path(root), Path(model_dir), peers
+        self.progress = progress
+        self.dirs: list[Path] = []
+        self.manifest: Manifest | None = None
+        self._processes: list[subprocess.Popen] = []
+
+    def __enter__(self) -> LocalCluster:
+        self.dirs = _cluster_dirs(self.root, self.count)
+        self.manifest = _shard(self.model_dir, self.dirs[0], self.progress)
+        budget = _budget(self.manifest, self.count)
+        try:
+            self._processes.append(_start(self.dirs[0], budget, "--model", str(self.model_dir)))
+            hello = _wait(lambda: _hello_port(self.dirs[0]), "peer0 to start")
+            for state_dir in self.dirs[1:]:
+                self._processes.append(_start(state_dir, budget, "--peer", f"127.0.0.1:{hello}"))
+            _wait_for_deployment(self.dirs, self.progress)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def status(self, i: int = 0) -> dict | None:
+        return _status(self.dirs[i])
+
+    def detach(self) -> None:
+        """Leave the daemons running after the context ends."""
+        self._processes.clear()
+
+    def stop(self) -> None:
+        for process in self._processes:
+            process.terminate()
+        for process in self._processes:
+            process.wait(timeout=30)
+        self._processes.clear()
+
+
+def _cluster_dirs(root: Path, count: int) -> list[Path]:
+    secret = identity.ClusterSecret(secrets.token_bytes(identity.SECRET_BYTES))
+    dirs = []
+    for i in range(count):
+        state_dir = root / f"peer{i}"
+        state_dir.mkdir(parents=True, exist_ok=True)
+        identity.ensure_identity(state_dir, f"peer{i}")
+        if not identity.has_secret(state_dir):
+            identity.store_secret(state_dir, secret)
+        dirs.append(state_dir)
+    return dirs
+
+
+def _shard(model_dir: Path, state_dir: Path, progress: Callable[[str], None]) -> Manifest:
+    """Shard into the model peer's cache, with progress on stderr; the manifest."""
+    progress("sharding the model into ONNX units (once; later runs reuse them):")
+    done = subprocess.run(
+        [sys.executable, "-m", "peerd", "shard", str(model_dir), "--json"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PEERD_STATE_DIR": str(state_dir)},
+    )
+    if done.returncode != 0:
+        raise PeerdError("sharding the model failed (see above)")
+    return Manifest.load(Path(json.loads(done.stdout)["directory"]))
+
+
+def _budget(manifest: Manifest, peers: int) -> str:
+    """Each peer offers the model's need divided by (peers - 0.6): one peer fewer falls
+    short, all of them have room to spare for splitting the units contiguously."""
+    context = context_for(manifest)
+    need = sum(u.weight_bytes + context * u.kv_bytes_per_token for u in manifest.units)
+    return f"{int(need / (peers - 0.6) / BETA)}"
+
+
+def _start(state_dir: Path, budget: str, *extra: str) -> subprocess.Popen:
+    log = (state_dir / "daemon.log").open("w")
+    command = [sys.executable, "-m", "peerd", "start", "--state-dir", str(state_dir),
+               "--interface", "127.0.0.1", "--memory-budget", budget, *extra]
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _status(state_dir: Path) -> dict | None:
+    try:
+        return call(state_dir, {"op": "status"})["status"]
+    except PeerdError:
+        return None
+
+
+def _hello_port(state_dir: Path) -> int | None:
+    document = _status(state_dir)
+    return document and document["ports"]["hello"]
+
+
+def _wait_for_deployment(dirs: list[Path], progress: Callable[[str], None]) -> None:
+    shown = None
+
+    def ready() -> bool:
+        nonlocal shown
+        document = _status(dirs[0])
+        line = _progress(document)
+        if line != shown:
+            progress(f"  {line}")
+            shown = line
+        heads = [(_status(d) or {}).get("dataplane", {}).get("head") for d in dirs]
+        return any(heads)
+
+    _wait(ready, "the model to be deployed")
+
+
+def _progress(document: dict | None) -> str:
+    if document is None:
+        return "waiting for peer0"
+    model, plan = document.get("model"), document.get("plan")
+    members = sum(1 for p in document["peers"] if p["state"] == "alive")
+    if not model or model.get("state") != "ready":
+        detail = (model or {}).get("detail") or "starting"
+        return f"{members} peers; model: {detail}"
+    if not plan or not plan["stages"]:
+        return f"{members} peers; model sharded; planning" + (
+            f" ({plan['problem']})" if plan and plan.get("problem") else ""
+        )
+    stages = ", ".join(f"{s['peer'][:6]}: units {s['units'][0]}-{s['units'][-1]}"
+                       for s in plan["stages"])
+    return f"{members} peers; plan {plan['id']}: {stages}; loading"
+
+
+def _wait(condition, what: str):
+    deadline = time.monotonic() + READY_S
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise PeerdError(f"timed out after {READY_S:.0f}s waiting for {what}")
+        time.sleep(0.25)
+    return value
