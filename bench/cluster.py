@@ -6,7 +6,7 @@ Prints, measured in this run:
   * time from SIGKILL of the leader to the survivors agreeing on a new leader;
   * measured vs shaped bandwidth on links limited with `tc qdisc ... tbf` (target: within 15%).
 
-Usage: sudo .venv/bin/python bench/cluster.py [--rounds N]
+Usage: sudo .venv/bin/python -m bench.cluster [--rounds N]
 """
 
 from __future__ import annotations

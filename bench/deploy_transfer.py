@@ -1,7 +1,7 @@
 """Unit transfer benchmark: pulling a unit file in verified, resumable chunks, against one raw
 bulk transfer of the same bytes, both over CURVE transports on loopback in this run.
 
-Run: .venv/bin/python bench/deploy_transfer.py [--mbytes 64] [--repeats 3]
+Run: .venv/bin/python -m bench.deploy_transfer [--mbytes 64] [--repeats 3]
 
 The raw transfer is one BandwidthProbe (the leader's link measurement). A pull adds what
 deployment needs: a request per chunk, a write and fsync per chunk, and the sha256 check of the

@@ -1,0 +1,196 @@
+"""Torch eager vs the exported ONNX units, chained through the wire codec, on one model.
+
+One run, one random Llama-format model (default 12 layers, hidden 512): decode tokens/s and
+the time of a 128-token prefill, for the whole model in torch eager and for its exported
+units split into K stages in one process (every inter-stage message encoded and decoded by
+peerd.protocol), side by side with their ratio (ONNX / torch: above 1 means ONNX is
+faster). Then the int8 units' top-1 agreement with float32 over 256 tokens, teacher-forced
+on the float32 greedy sequence.
+
+    .venv/bin/python -m bench.shards [--layers 12 --hidden 512 ...] [--parts 1,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.llama_checkpoint import LlamaShape, write_llama
+from peerd.generate import build_pipeline, generate
+from shards.arch import empty_cache
+from shards.cache import ShardResult
+from shards.checkpoint import load_model
+from shards.executor import StageExecutor
+from shards.manifest import Manifest
+from shards.sampling import SamplingParams
+
+Run = tuple[float, float, list[int]]  # prefill seconds, decode tokens/s, tokens
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    shape = LlamaShape(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads,
+                       args.vocab)
+    with tempfile.TemporaryDirectory(prefix="peerd-bench-") as work:
+        model_dir = write_llama(Path(work) / "model", shape)
+        print(f"model: {shape}; ONNX Runtime threads: its default (one per core)")
+        fp32 = _shard(model_dir, Path(work), int8=False)
+        int8 = _shard(model_dir, Path(work), int8=True)
+        prompt = np.random.default_rng(0).integers(3, args.vocab, args.prefill).tolist()
+        runners = _contenders(model_dir, fp32, int8, prompt, args)
+        _print_results(_measure(runners, args.repeats))
+        _agreement(fp32, int8, prompt[:16], args.agreement_tokens)
+
+
+def _contenders(model_dir: Path, fp32: ShardResult, int8: ShardResult, prompt: list[int],
+                args: argparse.Namespace) -> dict[str, Callable[[], Run]]:
+    threads = torch.get_num_threads()
+    runners = {
+        f"torch eager, {n} threads": _torch_eager(model_dir, prompt, args.decode, n)
+        for n in sorted({threads, 1}, reverse=True)
+    }
+    for parts in map(int, args.parts.split(",")):
+        runners[f"onnx K={parts}"] = _onnx(fp32, parts, prompt, args.decode)
+    runners["onnx int8 K=1"] = _onnx(int8, 1, prompt, args.decode)
+    return runners
+
+
+def _measure(runners: dict[str, Callable[[], Run]], repeats: int) -> dict[str, dict]:
+    """Round-robin, so that load from other processes hits every contender alike."""
+    runs: dict[str, list[Run]] = {label: [] for label in runners}
+    for _ in range(repeats):
+        for label, runner in runners.items():
+            runs[label].append(runner())
+    return {label: _best(measured) for label, measured in runs.items()}
+
+
+def _print_results(best: dict[str, dict]) -> None:
+    torch_runs = [b for label, b in best.items() if label.startswith("torch")]
+    eager = {
+        "prefill_s": min(b["prefill_s"] for b in torch_runs),
+        "decode_tps": max(b["decode_tps"] for b in torch_runs),
+    }
+    print("ratios (x...) are against the better torch eager configuration for each measure")
+    for label, result in best.items():
+        same = ""
+        if label.startswith("onnx K"):
+            agree = result["tokens"] == torch_runs[0]["tokens"]
+            same = " (same tokens)" if agree else " (TOKENS DIFFER)"
+        _report(label + same, result, eager)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=1408)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--prefill", type=int, default=128, help="prompt tokens")
+    p.add_argument("--decode", type=int, default=64, help="decode steps timed")
+    p.add_argument("--parts", default="1,4", help="stage counts K to run")
+    p.add_argument("--repeats", type=int, default=5, help="runs per contender (best kept)")
+    p.add_argument("--agreement-tokens", type=int, default=256)
+    return p
+
+
+def _shard(model_dir: Path, work: Path, int8: bool) -> ShardResult:
+    """Shard with the real CLI, in a subprocess (which also reports its peak RSS)."""
+    out = work / ("units-int8" if int8 else "units")
+    command = [sys.executable, "-m", "peerd", "shard", str(model_dir), "--out", str(out), "--json"]
+    done = subprocess.run([*command, *(["--int8"] if int8 else [])], capture_output=True,
+                          text=True, check=True)
+    stats = json.loads(done.stdout)["stats"]
+    manifest = Manifest.load(out)
+    print(f"sharded ({'int8' if int8 else 'fp32'}): {len(manifest.units)} units in "
+          f"{stats['seconds']:.1f}s, peak RSS {stats['peak_rss_bytes'] / 2**20:.0f} MB")
+    return ShardResult(manifest, out, True, stats["seconds"])
+
+
+def _torch_eager(
+    model_dir: Path, prompt: list[int], steps: int, threads: int
+) -> Callable[[], Run]:
+    config, model = load_model(model_dir)
+
+    @torch.inference_mode()
+    def run() -> Run:
+        torch.set_num_threads(threads)
+        ids = torch.tensor([prompt])
+        started = time.perf_counter()
+        logits, *cache = model(ids, torch.arange(len(prompt))[None], *empty_cache(config))
+        tokens = [int(logits[0, -1].argmax())]
+        prefilled = time.perf_counter()
+        for position in range(len(prompt), len(prompt) + steps):
+            logits, *cache = model(torch.tensor([[tokens[-1]]]), torch.tensor([[position]]),
+                                   *cache)
+            tokens.append(int(logits[0, -1].argmax()))
+        return prefilled - started, steps / (time.perf_counter() - prefilled), tokens
+
+    return run
+
+
+def _onnx(result: ShardResult, parts: int, prompt: list[int], steps: int) -> Callable[[], Run]:
+    pipeline = build_pipeline(result.manifest, result.directory, parts)
+
+    def run() -> Run:
+        done = generate(pipeline, result.manifest, prompt, steps + 1, SamplingParams(),
+                        stop_at_eos=False)
+        stats = done.stats
+        return stats["prefill_seconds"], stats["decode_tokens_per_second"], done.token_ids
+
+    return run
+
+
+def _best(runs: list[Run]) -> dict:
+    return {
+        "prefill_s": min(r[0] for r in runs),
+        "decode_tps": max(r[1] for r in runs),
+        "decode_tps_median": statistics.median(r[1] for r in runs),
+        "tokens": runs[0][2],
+    }
+
+
+def _report(label: str, run: dict, eager: dict) -> None:
+    print(
+        f"{label:<36} prefill {run['prefill_s'] * 1000:8.1f} ms "
+        f"(x{eager['prefill_s'] / run['prefill_s']:.2f})   "
+        f"decode {run['decode_tps']:7.1f} tok/s (median {run['decode_tps_median']:.1f}; "
+        f"x{run['decode_tps'] / eager['decode_tps']:.2f})"
+    )
+    sys.stdout.flush()
+
+
+def _agreement(fp32: ShardResult, int8: ShardResult, prompt: list[int], count: int) -> None:
+    """int8 top-1 vs the float32 greedy tokens, both fed the float32 sequence."""
+    reference = generate(build_pipeline(fp32.manifest, fp32.directory, 1), fp32.manifest,
+                         prompt, count, SamplingParams(), stop_at_eos=False).token_ids
+    sequence = np.array([prompt + reference[:-1]])
+    logits = []
+    for result in (fp32, int8):
+        stage = StageExecutor(result.manifest, result.directory, 0, len(result.manifest.units) - 1)
+        step = {"input_ids": sequence, "position_ids": np.arange(sequence.shape[1])[None]}
+        logits.append(stage.step("s", step)["logits"][0, len(prompt) - 1 :])
+    top2 = np.sort(logits[0], axis=-1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]
+    agree = logits[1].argmax(-1) == np.array(reference)
+    itself = (logits[0].argmax(-1) == np.array(reference)).mean()
+    clear = margin > np.median(margin)
+    print(f"int8 top-1 agreement with fp32 over {count} tokens (teacher-forced): "
+          f"{agree.mean():.3f}; fp32 against itself: {itself:.3f}")
+    print(f"  fp32 top-2 logit margin: median {np.median(margin):.4f}; agreement where the margin "
+          f"is above that median: {agree[clear].mean():.3f}, below: {agree[~clear].mean():.3f}")
+
+
+if __name__ == "__main__":
+    main()

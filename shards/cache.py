@@ -1,0 +1,152 @@
+"""Sharding with a content-addressed cache: export only what is not there yet.
+
+`shard_key` hashes config.json, the weight files, the options and the exporter (library
+versions and the export code of this package). A directory whose manifest carries the same
+key and all of its unit files is reused as is, so a second `peerd shard` (or a `peerd
+generate` of a sharded model) neither exports nor even imports torch: shards.export is
+imported only when there is work to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from shards.config import WEIGHTS_FILE, WEIGHTS_INDEX, load_config
+from shards.manifest import GRANULARITIES, MANIFEST_NAME, Manifest, ManifestError
+
+_EXPORTER_PACKAGES = ("torch", "onnx", "onnxscript", "onnxruntime")
+# the modules whose code decides what the exported files contain
+_EXPORT_CODE = (
+    "arch", "config.py", "checkpoint.py", "segment.py", "examples.py", "export.py", "flops.py",
+    "onnx_file.py", "quantize.py",
+)
+
+
+class ShardError(Exception):
+    """Sharding failed or its output directory is unusable; the message is one line."""
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    int8: bool = False
+    granularity: str = "half"
+
+    def __post_init__(self) -> None:
+        if self.granularity not in GRANULARITIES:
+            raise ShardError(f"granularity must be one of {GRANULARITIES}")
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    manifest: Manifest
+    directory: Path
+    exported: bool  # False when an identical earlier result was reused
+    seconds: float
+
+
+Progress = Callable[[str], None]
+
+
+def shard(
+    model_dir: Path,
+    out_dir: Path | None,
+    shard_root: Path | None = None,
+    options: ShardOptions = ShardOptions(),
+    progress: Progress = lambda line: None,
+) -> ShardResult:
+    """Shard `model_dir` into `out_dir`, or into `shard_root/<key>` when out_dir is None;
+    reuse the directory when it already holds this very result."""
+    started = time.perf_counter()
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    source = source_digest(model_dir)
+    key = shard_key(source, options)
+    if out_dir is None:
+        if shard_root is None:
+            raise ValueError("either out_dir or shard_root is needed")
+        out_dir = Path(shard_root) / key
+    out_dir = Path(out_dir)
+    cached = reusable(out_dir, key)
+    if cached is not None:
+        return ShardResult(cached, out_dir, False, time.perf_counter() - started)
+    from shards.export import export_units
+
+    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        manifest = export_units(model_dir, config, staging, options, progress, key, source)
+        install(staging, out_dir, key)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return ShardResult(manifest, out_dir, True, time.perf_counter() - started)
+
+
+def source_digest(model_dir: Path) -> str:
+    """sha256 over config.json and every weight file of the checkpoint."""
+    model_dir = Path(model_dir)
+    digest = hashlib.sha256()
+    for path in [model_dir / "config.json", *_weight_files(model_dir)]:
+        digest.update(path.name.encode() + b"\0")
+        with path.open("rb") as handle:
+            digest.update(hashlib.file_digest(handle, "sha256").digest())
+    return digest.hexdigest()
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / WEIGHTS_INDEX
+    if not index.is_file():
+        return [model_dir / WEIGHTS_FILE]
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return [index, *(model_dir / name for name in shards)]
+
+
+def shard_key(source_sha256: str, options: ShardOptions) -> str:
+    """The content address of the sharded output of this source with these options."""
+    exporter = {name: importlib.metadata.version(name) for name in _EXPORTER_PACKAGES}
+    exporter["code"] = _code_digest()
+    payload = {"source": source_sha256, "options": asdict(options), "exporter": exporter}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _code_digest() -> str:
+    root = Path(__file__).parent
+    digest = hashlib.sha256()
+    for name in _EXPORT_CODE:
+        path = root / name
+        for source in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            digest.update(source.read_bytes())
+    return digest.hexdigest()
+
+
+def reusable(directory: Path, key: str) -> Manifest | None:
+    """The manifest of a complete earlier result with this key in `directory`, if any."""
+    if not (directory / MANIFEST_NAME).is_file():
+        if directory.exists() and any(directory.iterdir()):
+            raise ShardError(f"output directory {directory} is not empty and has no manifest")
+        return None
+    try:
+        manifest = Manifest.load(directory)
+    except ManifestError:
+        return None
+    complete = all((directory / u.file).is_file() for u in manifest.units)
+    return manifest if manifest.key == key and complete else None
+
+
+def install(staging: Path, out_dir: Path, key: str) -> None:
+    """Move a finished result into place, replacing an older result with another key."""
+    if (out_dir / MANIFEST_NAME).is_file():
+        if reusable(out_dir, key) is not None:
+            return  # another process finished the same work first
+        shutil.rmtree(out_dir)
+    elif out_dir.exists():
+        out_dir.rmdir()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging.rename(out_dir)

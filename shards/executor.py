@@ -1,0 +1,214 @@
+"""The stage executor: runs a contiguous range of units with ONNX Runtime, without torch.
+
+One `StageExecutor` holds the ONNX Runtime sessions of units [first, last] and, per sequence,
+the K/V state of those units. `step(seq_id, inputs)` runs one forward pass of one sequence
+(a prefill of T tokens or a decode of one) and returns the tensors other stages (or the
+sampler) consume. State never leaves the executor except through `export_state`, which
+rebalancing uses to move a unit together with its K/V.
+
+Values that stay inside the stage (the hidden state between units, the K/V state between
+steps) are kept as ONNX Runtime `OrtValue`s and bound with IOBinding, so they are never
+copied into numpy.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from shards.manifest import Manifest, StateSpec, Unit
+
+Value = np.ndarray | ort.OrtValue
+
+
+@dataclass(frozen=True)
+class ExecutorOptions:
+    """ONNX Runtime settings.
+
+    threads=0 lets ONNX Runtime pick (one per physical core). Each unit has its own session
+    and thread pool, so spinning is off by default: pools of units that just ran would
+    otherwise keep spinning on the cores the next unit needs (on a 2-core machine that
+    costs several times the decode speed).
+    """
+
+    threads: int = 0
+    spinning: bool = False
+    providers: tuple[str, ...] = ("CPUExecutionProvider",)
+
+
+class StageExecutor:
+    def __init__(
+        self,
+        manifest: Manifest,
+        unit_dir: Path,
+        first: int,
+        last: int,
+        options: ExecutorOptions | None = None,
+    ) -> None:
+        if not 0 <= first <= last < len(manifest.units):
+            raise ValueError(
+                f"unit range [{first}, {last}] is not within 0..{len(manifest.units) - 1}"
+            )
+        self.manifest = manifest
+        self.first, self.last = first, last
+        self.units: tuple[Unit, ...] = manifest.units[first : last + 1]
+        self.inputs = manifest.stage_inputs(first, last)
+        self.outputs = manifest.stage_outputs(first, last)
+        self._dtypes = {i.name: i.dtype for u in self.units for i in u.inputs}
+        options = options or ExecutorOptions()
+        self._sessions = [_session(Path(unit_dir) / u.file, options) for u in self.units]
+        self._state: dict[str, dict[str, ort.OrtValue]] = {}
+        self._lock = threading.Lock()
+
+    # -- running ---------------------------------------------------------------------------
+    def step(self, seq_id: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One forward pass of `seq_id` over this stage's units.
+
+        `inputs` holds every tensor in `self.inputs`; float16 arrays are accepted where the
+        unit wants float32 (activations sent in half precision).
+        """
+        missing = [name for name in self.inputs if name not in inputs]
+        if missing:
+            raise ValueError(f"stage {self.first}-{self.last}: missing inputs {missing}")
+        with self._lock:
+            state = self._state.get(seq_id) or self._empty_state()
+        values: dict[str, Value] = {
+            name: _as_dtype(inputs[name], self._dtypes[name]) for name in self.inputs
+        }
+        new_state: dict[str, ort.OrtValue] = {}
+        for unit, session in zip(self.units, self._sessions, strict=True):
+            self._run_unit(unit, session, values, state, new_state)
+        with self._lock:
+            self._state[seq_id] = new_state
+        return {name: _numpy(values[name]) for name in self.outputs}
+
+    def _run_unit(
+        self,
+        unit: Unit,
+        session: ort.InferenceSession,
+        values: dict[str, Value],
+        state: dict[str, ort.OrtValue],
+        new_state: dict[str, ort.OrtValue],
+    ) -> None:
+        binding = session.io_binding()
+        for inp in unit.inputs:
+            _bind_input(binding, inp.name, values[inp.name])
+        for spec in unit.state:
+            binding.bind_ortvalue_input(spec.input, state[spec.input])
+        names = [o.name for o in session.get_outputs()]
+        for name in names:
+            binding.bind_output(name, "cpu")
+        session.run_with_iobinding(binding)
+        produced = dict(zip(names, binding.get_outputs(), strict=True))
+        for spec in unit.state:
+            new_state[spec.input] = produced.pop(spec.output)
+        values.update(produced)
+
+    def drop(self, seq_id: str) -> None:
+        """Forget a sequence and free its K/V (unknown ids are ignored)."""
+        with self._lock:
+            self._state.pop(seq_id, None)
+
+    # -- accounting ------------------------------------------------------------------------
+    @property
+    def sequence_count(self) -> int:
+        return len(self._state)
+
+    def kv_bytes(self) -> int:
+        """Bytes of K/V held for all sequences."""
+        with self._lock:
+            return sum(_nbytes(v) for seq in self._state.values() for v in seq.values())
+
+    # -- moving state ----------------------------------------------------------------------
+    def export_state(self, seq_id: str, unit_index: int) -> dict[str, np.ndarray]:
+        """Copies of the K/V one unit holds for `seq_id`, keyed by state input name."""
+        unit = self._unit(unit_index)
+        with self._lock:
+            state = self._state.get(seq_id)
+        if state is None:
+            raise KeyError(f"unknown sequence {seq_id!r}")
+        return {spec.input: state[spec.input].numpy() for spec in unit.state}
+
+    def import_state(self, seq_id: str, unit_index: int, tensors: dict[str, np.ndarray]) -> None:
+        """Install one unit's K/V for `seq_id` (as produced by `export_state` elsewhere)."""
+        unit = self._unit(unit_index)
+        for spec in unit.state:
+            _check_state(spec, tensors.get(spec.input))
+        with self._lock:
+            state = self._state.setdefault(seq_id, self._empty_state())
+            for spec in unit.state:
+                array = np.ascontiguousarray(tensors[spec.input], dtype=spec.dtype)
+                state[spec.input] = ort.OrtValue.ortvalue_from_numpy(array)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _unit(self, unit_index: int) -> Unit:
+        if not self.first <= unit_index <= self.last:
+            raise KeyError(f"unit {unit_index} is not on this stage ({self.first}-{self.last})")
+        return self.manifest.units[unit_index]
+
+    def _state_specs(self) -> list[StateSpec]:
+        return [spec for unit in self.units for spec in unit.state]
+
+    def _empty_state(self) -> dict[str, ort.OrtValue]:
+        return {
+            spec.input: ort.OrtValue.ortvalue_from_numpy(np.zeros(spec.shape, spec.dtype))
+            for spec in self._state_specs()
+        }
+
+
+def _session(path: Path, options: ExecutorOptions) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.intra_op_num_threads = options.threads
+    so.inter_op_num_threads = 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", str(int(options.spinning)))
+    so.log_severity_level = 3
+    return ort.InferenceSession(str(path), so, providers=list(options.providers))
+
+
+def _bind_input(binding: ort.IOBinding, name: str, value: Value) -> None:
+    if isinstance(value, ort.OrtValue):
+        binding.bind_ortvalue_input(name, value)
+    else:
+        binding.bind_cpu_input(name, value)
+
+
+def _as_dtype(array: np.ndarray, dtype: str) -> np.ndarray:
+    array = np.asarray(array)
+    if array.dtype != dtype:
+        array = array.astype(dtype)
+    return np.ascontiguousarray(array)
+
+
+def _numpy(value: Value) -> np.ndarray:
+    return value.numpy() if isinstance(value, ort.OrtValue) else value
+
+
+def _nbytes(value: ort.OrtValue) -> int:
+    itemsize = np.dtype(_ORT_TYPES[value.data_type()]).itemsize
+    return int(np.prod(value.shape(), dtype=np.int64)) * itemsize
+
+
+def _check_state(spec: StateSpec, array: np.ndarray | None) -> None:
+    if array is None:
+        raise ValueError(f"state {spec.input!r} is missing")
+    expected = [d for axis, d in enumerate(spec.shape) if axis != spec.seq_axis]
+    got = [d for axis, d in enumerate(array.shape) if axis != spec.seq_axis]
+    if array.ndim != len(spec.shape) or got != expected:
+        raise ValueError(f"state {spec.input!r}: shape {list(array.shape)} does not fit")
+
+
+_ORT_TYPES = {
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(int64)": "int64",
+    "tensor(int32)": "int32",
+    "tensor(int8)": "int8",
+    "tensor(uint8)": "uint8",
+    "tensor(bool)": "bool",
+}

@@ -1,0 +1,305 @@
+"""Export: a checkpoint directory -> one ONNX file per unit plus manifest.json.
+
+The model is built on the "meta" device and segmented (shards.segment); then, unit by unit,
+only that unit's weights are read from the checkpoint, the unit runs on example inputs
+(shards.examples) to learn its dynamic axes and costs, is exported with torch.onnx (the
+torch.export-based exporter), checked against torch with ONNX Runtime, optionally
+int8-quantised, and its weights are dropped again. The whole model is never in memory.
+`shards.cache.shard` decides whether there is anything to export.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import gc
+import hashlib
+import logging
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.export import Dim
+from torch.onnx._internal.exporter import _constants as _onnx_constants
+from torch.onnx._internal.exporter import _core as _onnx_core
+from torch.onnx._internal.exporter import _registration as _onnx_registration
+
+from shards import examples
+from shards.arch import build_model
+from shards.cache import Progress, ShardError, ShardOptions
+from shards.checkpoint import materialize
+from shards.config import ModelConfig
+from shards.flops import run_counting_flops, state_bytes_per_token, tensor_bytes
+from shards.manifest import (
+    Flops,
+    Manifest,
+    ModelInfo,
+    Options,
+    StateSpec,
+    Unit,
+    UnitInput,
+    UnitOutput,
+)
+from shards.onnx_file import save_external, write_single_file
+from shards.quantize import quantize_unit
+from shards.segment import Segmentation, UnitGraph, segment
+
+RETURN_BYTES = 8  # the sampled token id (int64) sent back to the first stage
+UNITS_DIR = "units"
+_CHECK_TOLERANCE = 1e-4
+
+
+def export_units(
+    model_dir: Path,
+    config: ModelConfig,
+    directory: Path,
+    options: ShardOptions,
+    progress: Progress,
+    key: str,
+    source_sha256: str,
+) -> Manifest:
+    """Export every unit of the checkpoint into `directory` and write its manifest there."""
+    return _Exporter(model_dir, config, directory, options, progress).run(key, source_sha256)
+
+
+class _Exporter:
+    def __init__(
+        self,
+        model_dir: Path,
+        config: ModelConfig,
+        directory: Path,
+        options: ShardOptions,
+        progress: Progress,
+    ) -> None:
+        self.model_dir, self.config, self.directory = model_dir, config, directory
+        self.options, self.progress = options, progress
+        self.model = build_model(config, "meta")
+        self.segmentation: Segmentation = segment(self.model, options.granularity)
+        self.store = examples.ExampleStore(config, self.segmentation.consumers)
+
+    def run(self, key: str, source_sha256: str) -> Manifest:
+        (self.directory / UNITS_DIR).mkdir(parents=True)
+        units = []
+        count = len(self.segmentation.units)
+        for unit in self.segmentation.units:
+            started = time.perf_counter()
+            units.append(self._unit(unit))
+            seconds = time.perf_counter() - started
+            self.progress(f"[{unit.index + 1}/{count}] {unit.name} exported in {seconds:.1f}s")
+        manifest = Manifest(
+            key=key,
+            model=_model_info(self.config, source_sha256),
+            options=Options(int8=self.options.int8, granularity=self.options.granularity),
+            return_bytes=RETURN_BYTES,
+            units=tuple(units),
+        )
+        manifest.save(self.directory)
+        return manifest
+
+    def _unit(self, unit: UnitGraph) -> Unit:
+        targets = _weight_targets(self.model, unit.targets)
+        if targets:
+            materialize(self.model, self.model_dir, targets)
+        module = unit.module(self.model)
+        runs, flops = {}, {}
+        for case in self.store.cases:
+            args = self.store.inputs(unit, case)
+            outputs, flops[case] = run_counting_flops(module, args)
+            runs[case] = (args, outputs)
+        for case, (_, outputs) in runs.items():
+            self.store.record(unit, case, outputs)
+        relative = f"{UNITS_DIR}/{unit.index:03d}-{unit.name}.onnx"
+        path = self.directory / relative
+        with tempfile.TemporaryDirectory(dir=self.directory) as scratch:
+            staged = _to_onnx(module, unit, runs, Path(scratch))
+            del module
+            _release(self.model, targets)
+            if self.options.int8:
+                staged = quantize_unit(staged)
+            else:
+                _check(staged, unit, *runs[examples.EXPORT])
+            weight_bytes = write_single_file(staged, path)
+        return self._manifest_unit(unit, relative, runs, flops, weight_bytes)
+
+    def _manifest_unit(
+        self, unit: UnitGraph, relative: str, runs: dict, flops: dict, weight_bytes: int
+    ) -> Unit:
+        path = self.directory / relative
+        seg = self.segmentation
+        prefill_tokens = self.store.cases[examples.PREFILL].tokens
+        count_in, count_out = len(unit.inputs), len(unit.outputs)  # state comes after these
+        export_args, export_out = runs[examples.EXPORT]
+        _, decode_out = runs[examples.DECODE]
+        states = tuple(
+            StateSpec(
+                input=past,
+                output=present,
+                dtype="float32",
+                shape=(1, self.config.num_kv_heads, 0, self.config.head_dim),
+                seq_axis=2,
+            )
+            for past, present in unit.state
+        )
+        return Unit(
+            index=unit.index,
+            name=unit.name,
+            file=relative,
+            sha256=_sha256(path),
+            file_bytes=path.stat().st_size,
+            inputs=tuple(
+                UnitInput(name, _dtype(arg), seg.producers[name])
+                for name, arg in zip(unit.inputs, export_args[:count_in], strict=True)
+            ),
+            outputs=tuple(
+                UnitOutput(name, _dtype(out), tensor_bytes(dec.shape, _dtype(dec)),
+                           seg.consumers[name])
+                for name, out, dec in zip(
+                    unit.outputs, export_out[:count_out], decode_out[:count_out], strict=True
+                )
+            ),
+            state=states,
+            flops_per_token=Flops(
+                prefill=flops[examples.PREFILL] / prefill_tokens,
+                decode=float(flops[examples.DECODE]),
+            ),
+            weight_bytes=weight_bytes,
+            kv_bytes_per_token=sum(
+                state_bytes_per_token(s.shape, s.seq_axis, s.dtype) for s in states
+            ),
+        )
+
+
+def _model_info(config: ModelConfig, source_sha256: str) -> ModelInfo:
+    return ModelInfo(
+        architecture=config.architecture,
+        vocab_size=config.vocab_size,
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        max_positions=config.max_positions,
+        eos_token_ids=tuple(config.eos_token_ids),
+        bos_token_id=config.bos_token_id,
+        source_sha256=source_sha256,
+    )
+
+
+def _weight_targets(model: torch.nn.Module, targets: tuple[str, ...]) -> list[str]:
+    """The targets that hold checkpoint parameters (not buffers computed from the config)."""
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return [t for t in targets if any(p == t or p.startswith(t + ".") for p in params)]
+
+
+def _release(model: torch.nn.Module, targets: list[str]) -> None:
+    """Put the unit's parameters back on the meta device, freeing their memory."""
+    for target in targets:
+        owner_name, _, leaf = target.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        value = getattr(owner, leaf)
+        if isinstance(value, torch.nn.Module):
+            value.to("meta")
+        else:
+            setattr(owner, leaf, torch.nn.Parameter(value.to("meta"), requires_grad=False))
+    # torch.export's fake-tensor dispatch cache is global and keyed by each export's own
+    # symbolic shapes: entries of finished units are never hit again, only kept.
+    FakeTensorMode.cache_clear()
+    gc.collect()
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Hand freed heap pages back to the system (glibc keeps them otherwise), so that the
+    next unit's peak does not stack on the last unit's leftovers."""
+    libc = ctypes.util.find_library("c")
+    if libc and hasattr(ctypes.CDLL(libc), "malloc_trim"):
+        ctypes.CDLL(libc).malloc_trim(0)
+
+
+# -- ONNX -------------------------------------------------------------------------------------
+def _to_onnx(module: torch.nn.Module, unit: UnitGraph, runs: dict, directory: Path) -> Path:
+    """Export the unit into `directory`, weights as external data; return the model's path."""
+    axes = [
+        examples.dynamic_axes({case: runs[case][0][i].shape for case in runs})
+        for i in range(len(unit.input_names))
+    ]
+    dims = {"T": Dim("T", min=1), "P": Dim("P", min=0)}
+    names = tuple(_axis_names(a, name) for a, name in zip(axes, unit.input_names, strict=True))
+    args, _ = runs[examples.EXPORT]
+    with _quiet():
+        program = _onnx_core.export(
+            module,
+            tuple(args),
+            registry=_registry(),
+            input_names=unit.input_names,
+            output_names=unit.output_names,
+            dynamic_shapes=tuple({a: dims[d] for a, d in spec.items()} for spec in names),
+            optimize=True,
+            verbose=False,
+            opset_version=_onnx_constants.TORCHLIB_OPSET,
+        )
+        program._rename_dynamic_axes(names)
+    return save_external(program, directory)
+
+
+def _axis_names(axes: examples.Axes, name: str) -> dict[int, str]:
+    """{axis: "T" or "P"} for one input."""
+    if set(axes.tokens) & set(axes.past):
+        raise ShardError(f"input {name} has an axis that follows both tokens and past")
+    return {**dict.fromkeys(axes.tokens, "T"), **dict.fromkeys(axes.past, "P")}
+
+
+@functools.cache
+def _registry() -> _onnx_registration.ONNXRegistry:
+    """The torch -> ONNX operator table. torch.onnx.export (dynamo=True) rebuilds it on every
+    call, about a second each; exporting dozens of units calls the same exporter core with
+    one table (torch is pinned, so this internal entry point is fixed)."""
+    return _onnx_registration.ONNXRegistry.from_torchlib(
+        opset_version=_onnx_constants.TORCHLIB_OPSET
+    )
+
+
+class _quiet:
+    """Silence the exporter's warnings and advisory log lines."""
+
+    _LOGGERS = ("torch.onnx",)
+
+    def __enter__(self) -> None:
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("ignore")
+        self._levels = {name: logging.getLogger(name).level for name in self._LOGGERS}
+        for name in self._LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+    def __exit__(self, *exc: object) -> None:
+        for name, level in self._levels.items():
+            logging.getLogger(name).setLevel(level)
+        self._warnings.__exit__(*exc)
+
+
+def _check(path: Path, unit: UnitGraph, args: tuple, expected: tuple) -> None:
+    """The exported unit must compute what the torch unit computed."""
+    options = ort.SessionOptions()  # no optimisation or pre-packing: less memory, same result
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    feeds = {name: a.numpy() for name, a in zip(unit.input_names, args, strict=True)}
+    got = session.run(unit.output_names, feeds)
+    for name, value, want in zip(unit.output_names, got, expected, strict=True):
+        error = float(np.max(np.abs(value - want.numpy()), initial=0.0))
+        scale = float(np.max(np.abs(want.numpy()), initial=0.0)) + 1.0
+        if error > _CHECK_TOLERANCE * scale:
+            raise ShardError(f"unit {unit.name}: ONNX output {name} differs from torch by {error}")
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")

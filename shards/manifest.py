@@ -1,0 +1,225 @@
+"""The manifest of a sharded model (`manifest.json`): what every unit is, needs and costs.
+
+Torch-free: peers that only execute units read it. The format is documented in
+docs/manifest.md; `Manifest.load` validates a file and raises ManifestError with a one-line
+reason. Producer -1 means "a request input" (input_ids, position_ids); consumer -1 means
+"the request" (the sampler reads the logits on the stage that computes them).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+FORMAT = 1
+MANIFEST_NAME = "manifest.json"
+REQUEST = -1
+GRANULARITIES = ("half", "layer")  # units are layer halves (attn, mlp) or whole layers
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be read or is inconsistent."""
+
+
+@dataclass(frozen=True)
+class UnitInput:
+    name: str
+    dtype: str
+    producer: int
+
+
+@dataclass(frozen=True)
+class UnitOutput:
+    name: str
+    dtype: str
+    bytes_per_token: int
+    consumers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """A per-sequence tensor kept by the executor: `input` at step n is `output` of step n-1.
+
+    `shape` is the shape of the empty state (length 0 along `seq_axis`).
+    """
+
+    input: str
+    output: str
+    dtype: str
+    shape: tuple[int, ...]
+    seq_axis: int
+
+
+@dataclass(frozen=True)
+class Flops:
+    prefill: float
+    decode: float
+
+
+@dataclass(frozen=True)
+class Unit:
+    index: int
+    name: str
+    file: str
+    sha256: str
+    file_bytes: int
+    inputs: tuple[UnitInput, ...]
+    outputs: tuple[UnitOutput, ...]
+    state: tuple[StateSpec, ...]
+    flops_per_token: Flops
+    weight_bytes: int
+    kv_bytes_per_token: int
+
+    def output(self, name: str) -> UnitOutput:
+        for out in self.outputs:
+            if out.name == name:
+                return out
+        raise KeyError(f"unit {self.name} has no output {name!r}")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    architecture: str
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    max_positions: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    source_sha256: str
+
+
+@dataclass(frozen=True)
+class Options:
+    int8: bool
+    granularity: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    key: str
+    model: ModelInfo
+    options: Options
+    return_bytes: int
+    units: tuple[Unit, ...]
+    format: int = FORMAT
+
+    # -- dependency maps -------------------------------------------------------------------
+    def sequential(self) -> dict[tuple[int, str], int]:
+        """SDM: (unit, output) -> the next unit, for outputs the next unit consumes."""
+        return {
+            (u.index, o.name): u.index + 1
+            for u in self.units
+            for o in u.outputs
+            if u.index + 1 in o.consumers
+        }
+
+    def residual(self) -> dict[tuple[int, str], tuple[int, ...]]:
+        """RDM: (unit, output) -> the later, non-adjacent units that consume it."""
+        deps = {}
+        for u in self.units:
+            for o in u.outputs:
+                later = tuple(c for c in o.consumers if c > u.index + 1)
+                if later:
+                    deps[(u.index, o.name)] = later
+        return deps
+
+    # -- stages ----------------------------------------------------------------------------
+    def stage_inputs(self, first: int, last: int) -> dict[str, int]:
+        """Tensors units [first, last] need from outside the stage: name -> producer."""
+        needed: dict[str, int] = {}
+        for unit in self.units[first : last + 1]:
+            for inp in unit.inputs:
+                if inp.producer < first:
+                    needed.setdefault(inp.name, inp.producer)
+        return needed
+
+    def stage_outputs(self, first: int, last: int) -> dict[str, tuple[int, ...]]:
+        """Outputs of units [first, last] consumed outside the stage: name -> consumers."""
+        sent: dict[str, tuple[int, ...]] = {}
+        for unit in self.units[first : last + 1]:
+            for out in unit.outputs:
+                outside = tuple(c for c in out.consumers if c > last or c == REQUEST)
+                if outside:
+                    sent[out.name] = outside
+        return sent
+
+    # -- files -----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def save(self, directory: Path) -> Path:
+        path = Path(directory) / MANIFEST_NAME
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, directory: Path) -> Manifest:
+        path = Path(directory) / MANIFEST_NAME
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ManifestError(f"no {MANIFEST_NAME} in {directory}") from None
+        except (OSError, ValueError) as exc:
+            raise ManifestError(f"cannot read {path}: {exc}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Manifest:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ManifestError(f"not a format-{FORMAT} manifest")
+        try:
+            manifest = cls(
+                key=str(data["key"]),
+                model=_model_info(data["model"]),
+                options=Options(**data["options"]),
+                return_bytes=int(data["return_bytes"]),
+                units=tuple(_unit(u) for u in data["units"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ManifestError(f"malformed manifest: {type(exc).__name__}: {exc}") from None
+        _check_chain(manifest.units)
+        return manifest
+
+
+def _model_info(data: dict[str, Any]) -> ModelInfo:
+    return ModelInfo(**{**data, "eos_token_ids": tuple(data["eos_token_ids"])})
+
+
+def _unit(data: dict[str, Any]) -> Unit:
+    return Unit(
+        index=int(data["index"]),
+        name=str(data["name"]),
+        file=str(data["file"]),
+        sha256=str(data["sha256"]),
+        file_bytes=int(data["file_bytes"]),
+        inputs=tuple(UnitInput(**i) for i in data["inputs"]),
+        outputs=tuple(
+            UnitOutput(**{**o, "consumers": tuple(o["consumers"])}) for o in data["outputs"]
+        ),
+        state=tuple(StateSpec(**{**s, "shape": tuple(s["shape"])}) for s in data["state"]),
+        flops_per_token=Flops(**data["flops_per_token"]),
+        weight_bytes=int(data["weight_bytes"]),
+        kv_bytes_per_token=int(data["kv_bytes_per_token"]),
+    )
+
+
+def _check_chain(units: tuple[Unit, ...]) -> None:
+    """Units are numbered 0..n-1 and every dependency points forward."""
+    if not units:
+        raise ManifestError("manifest has no units")
+    for position, unit in enumerate(units):
+        if unit.index != position:
+            raise ManifestError(f"unit {unit.name} has index {unit.index}, expected {position}")
+        for inp in unit.inputs:
+            if not REQUEST <= inp.producer < position:
+                raise ManifestError(
+                    f"unit {unit.name}: input {inp.name} comes from unit {inp.producer}"
+                )
+        for out in unit.outputs:
+            if any(c != REQUEST and not position < c < len(units) for c in out.consumers):
+                raise ManifestError(
+                    f"unit {unit.name}: output {out.name} has consumers {list(out.consumers)}"
+                )

@@ -1,0 +1,53 @@
+"""Sharded test models, exported once per test session and shared by every test module.
+
+Exporting takes seconds per model, so results live in one session-wide state directory
+(`state_dir()`, laid out as `peerd` lays out its own: `<state>/shards/<key>`), which lets
+subprocess runs of the real CLI reuse them through PEERD_STATE_DIR. Treat them as read-only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+from shards.cache import ShardOptions, ShardResult, shard
+from shards.cli import SHARDS_SUBDIR
+
+
+@cache
+def state_dir() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="peerd-test-state-"))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+@cache
+def sharded(model_dir: Path, int8: bool = False, granularity: str = "half") -> ShardResult:
+    root = state_dir() / SHARDS_SUBDIR
+    return shard(model_dir, None, shard_root=root, options=ShardOptions(int8, granularity))
+
+
+@cache
+def _transformers_model(model_dir: Path) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+
+
+@cache
+def reference(model_dir: Path, prompt: tuple[int, ...], new_tokens: int, stop_at_eos=False):
+    """transformers' greedy tokens and the logits rows they came from (float32, eager)."""
+    model = _transformers_model(model_dir)
+    ids = torch.tensor([prompt])
+    eos = {} if stop_at_eos else {"eos_token_id": None}
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, **eos)
+        logits = model(out[:, :-1]).logits[0, len(prompt) - 1 :]
+    return out[0, len(prompt) :].tolist(), logits.numpy().astype(np.float32)

@@ -1,0 +1,153 @@
+"""ONNX export: files, dynamic axes (P = 0 included), unit costs, caching, int8."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from sharding import reference, sharded
+
+from peerd.generate import build_pipeline, generate
+from shards import cache
+from shards.cache import ShardError, ShardOptions, shard
+from shards.checkpoint import load_model
+from shards.executor import StageExecutor
+from shards.sampling import SamplingParams
+from shards.segment import segment
+
+
+@pytest.fixture(scope="module")
+def llama(hf_checkpoint):
+    model_dir = hf_checkpoint("llama")
+    return model_dir, sharded(model_dir)
+
+
+def _graph_io(path) -> tuple[dict, list[str]]:
+    graph = onnx.load(str(path), load_external_data=False).graph
+    dims = {
+        i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+        for i in graph.input
+    }
+    return dims, [o.name for o in graph.output]
+
+
+def test_unit_files_match_the_manifest(llama):
+    _, result = llama
+    for unit in result.manifest.units:
+        path = result.directory / unit.file
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == unit.sha256
+        assert path.stat().st_size == unit.file_bytes
+        dims, outputs = _graph_io(path)
+        assert list(dims) == [i.name for i in unit.inputs] + [s.input for s in unit.state]
+        assert outputs == [o.name for o in unit.outputs] + [s.output for s in unit.state]
+
+
+def test_sequence_and_past_axes_are_dynamic(llama):
+    _, result = llama
+    attn = result.manifest.units[1]
+    dims, _ = _graph_io(result.directory / attn.file)
+    assert dims["embed.hidden"] == [1, "T", 64]
+    assert dims["mask"] == [1, 1, "T", "T"]
+    assert dims["past_k_0"] == dims["past_v_0"] == [1, 2, "P", 16]
+
+
+@pytest.mark.parametrize(("tokens", "past"), [(5, 0), (1, 6), (1, 0), (7, 3)])
+def test_exported_attention_equals_the_torch_unit_for_any_lengths(llama, tokens, past):
+    model_dir, result = llama
+    config, model = load_model(model_dir)
+    unit = segment(model).units[1]
+    generator = torch.Generator().manual_seed(tokens * 10 + past)
+    hidden = torch.randn(1, tokens, config.hidden_size, generator=generator)
+    positions = torch.arange(past, past + tokens)[None]
+    cos, sin = model.rotary(positions)
+    mask = model.mask(positions)
+    kv = [torch.randn(1, config.num_kv_heads, past, config.head_dim, generator=generator)
+          for _ in range(2)]
+    args = (hidden, cos, sin, mask, *kv)
+    with torch.no_grad():
+        expected = unit.module(model)(*args)
+    session = ort.InferenceSession(str(result.directory / result.manifest.units[1].file))
+    got = session.run(unit.output_names, dict(zip(unit.input_names, (a.numpy() for a in args),
+                                                  strict=True)))
+    for value, want in zip(got, expected, strict=True):
+        np.testing.assert_allclose(value, want.numpy(), rtol=0, atol=1e-5)
+
+
+def test_unit_costs(llama):
+    model_dir, result = llama
+    config, model = load_model(model_dir)
+    units = {u.name: u for u in result.manifest.units}
+    hidden, inner, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    kv_width = config.num_kv_heads * config.head_dim
+    mlp, attn, head = units["layer0.mlp"], units["layer0.attn"], units["head"]
+    assert mlp.flops_per_token.decode == mlp.flops_per_token.prefill == 2 * 3 * hidden * inner
+    assert head.flops_per_token.decode == 2 * hidden * vocab
+    projections = 2 * hidden * (2 * config.num_heads * config.head_dim + 2 * kv_width)
+    assert attn.flops_per_token.decode > projections  # plus attention over 128 positions
+    assert attn.kv_bytes_per_token == 2 * kv_width * 4
+    assert mlp.kv_bytes_per_token == units["embed"].kv_bytes_per_token == 0
+    params = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.0.mlp."))
+    assert 4 * params <= mlp.weight_bytes <= 4 * params + 256  # plus a few small constants
+    assert units["embed"].output("embed.hidden").bytes_per_token == 4 * hidden
+    assert units["embed"].output("rotary.cos").bytes_per_token == 4 * config.head_dim
+
+
+def test_second_shard_reuses_the_result_without_exporting(llama, monkeypatch):
+    model_dir, first = llama
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("exported again")
+
+    monkeypatch.setattr("shards.export.export_units", refuse)
+    again = shard(model_dir, None, shard_root=first.directory.parent)
+    assert not again.exported and again.directory == first.directory
+    assert again.manifest == first.manifest
+
+
+def test_key_follows_options_and_weights(llama, hf_checkpoint):
+    model_dir, result = llama
+    source = cache.source_digest(model_dir)
+    assert cache.shard_key(source, ShardOptions()) == result.manifest.key
+    assert cache.shard_key(source, ShardOptions(int8=True)) != result.manifest.key
+    other = cache.source_digest(hf_checkpoint("llama", seed=1))
+    assert cache.shard_key(other, ShardOptions()) != result.manifest.key
+
+
+def test_a_foreign_non_empty_output_directory_is_refused(llama, tmp_path):
+    model_dir, _ = llama
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ShardError, match="not empty"):
+        shard(model_dir, tmp_path)
+
+
+def test_sharded_bfloat16_checkpoint_generates_like_transformers(hf_checkpoint):
+    model_dir = hf_checkpoint("qwen2", layers=1, dtype="bfloat16", max_shard_size="40KB")
+    result = sharded(model_dir)
+    prompt = (1, 2, 3, 4, 5)
+    tokens, _ = reference(model_dir, prompt, 32)
+    run = generate(build_pipeline(result.manifest, result.directory, 2), result.manifest,
+                   list(prompt), 32, SamplingParams(), stop_at_eos=False)
+    assert run.token_ids == tokens
+
+
+def test_int8_units_are_smaller_and_mostly_agree_with_float32(llama):
+    model_dir, fp32 = llama
+    int8 = sharded(model_dir, int8=True)
+    assert int8.manifest.options.int8 and int8.manifest.key != fp32.manifest.key
+    for small, full in zip(int8.manifest.units, fp32.manifest.units, strict=True):
+        assert small.weight_bytes < 0.35 * full.weight_bytes
+    prompt = [1, 17, 42, 99, 7]
+    run = generate(build_pipeline(fp32.manifest, fp32.directory, 1), fp32.manifest, prompt, 64,
+                   SamplingParams(), stop_at_eos=False)
+    sequence = np.array([prompt + run.token_ids[:-1]])
+    top1 = []
+    for result in (fp32, int8):
+        stage = StageExecutor(result.manifest, result.directory, 0, len(result.manifest.units) - 1)
+        step = {"input_ids": sequence, "position_ids": np.arange(sequence.shape[1])[None]}
+        top1.append(stage.step("s", step)["logits"][0, len(prompt) - 1 :].argmax(-1))
+    assert (top1[0] == run.token_ids).all()
+    assert (top1[0] == top1[1]).mean() > 0.7

@@ -1,0 +1,59 @@
+"""`peerd shard`, run as the real command in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+from sharding import sharded, state_dir
+
+
+def _peerd(*args: str, state: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PEERD_STATE_DIR": state or str(state_dir())}
+    return subprocess.run(
+        [sys.executable, "-m", "peerd", *args], capture_output=True, text=True, env=env,
+        timeout=300,
+    )
+
+
+def test_shard_exports_once_with_progress_then_reuses(hf_checkpoint, tmp_path):
+    model_dir = hf_checkpoint("llama", layers=1)
+    out = tmp_path / "units"
+    first = _peerd("shard", str(model_dir), "--out", str(out), "--json")
+    assert first.returncode == 0, first.stderr
+    summary = json.loads(first.stdout)
+    assert [u["name"] for u in summary["units"]] == ["embed", "layer0.attn", "layer0.mlp", "head"]
+    assert summary["stats"]["exported"] is True and summary["directory"] == str(out)
+    assert summary["stats"]["peak_rss_bytes"] > summary["stats"]["largest_unit_weight_bytes"]
+    progress = first.stderr.splitlines()
+    assert progress[0].startswith("shard: [1/4] embed exported in")
+    assert progress[-1].startswith("shard: [4/4] head exported in")
+    assert (out / "manifest.json").is_file()
+
+    again = _peerd("shard", str(model_dir), "--out", str(out), "--json")
+    assert again.returncode == 0 and again.stderr == ""
+    assert json.loads(again.stdout)["stats"]["exported"] is False
+
+
+def test_default_output_is_the_state_directory_shard_cache(hf_checkpoint):
+    result = sharded(hf_checkpoint("llama"))
+    done = _peerd("shard", str(hf_checkpoint("llama")))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"already sharded: 6 units in {result.directory}\n")
+    assert result.directory.parent == state_dir() / "shards"
+
+
+def test_unsupported_or_missing_models_get_one_line_errors(hf_checkpoint, tmp_path):
+    falcon = tmp_path / "falcon"
+    shutil.copytree(hf_checkpoint("llama"), falcon)
+    config = json.loads((falcon / "config.json").read_text())
+    config["architectures"] = ["FalconForCausalLM"]
+    (falcon / "config.json").write_text(json.dumps(config))
+    done = _peerd("shard", str(falcon), state=str(tmp_path / "state"))
+    assert done.returncode == 1
+    assert done.stderr == "peerd: unsupported architecture: FalconForCausalLM\n"
+    done = _peerd("shard", str(tmp_path / "nowhere"), state=str(tmp_path / "state"))
+    assert done.returncode == 1 and done.stderr.startswith("peerd: not a model directory")
