@@ -1,0 +1,101 @@
+"""Bounds the MILP starts from: a valid lower bound, and the value of the best quick plan.
+
+Lower: the work spread perfectly over every usable peer (throughput) or all of it on the
+fastest one (latency). Upper: the best valid plan among the even and memory baselines and
+EdgeShard's recurrence over three fixed peer orders (source first, then by speed, by memory,
+or each next peer the one with the quickest link from the last).
+Every stage of an optimal plan computes for at most the upper bound, which lets the MILP
+drop every longer block.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from planner.baselines import even_split, memory_split
+from planner.constraints import violations
+from planner.cost import (
+    MEMORY_SLACK,
+    capacity,
+    memory_need,
+    seconds_per_flop,
+    simulate,
+    usable_devices,
+)
+from planner.dp import ordered_stages
+from planner.errors import Infeasible
+from planner.model import Cluster, Device, Stage, Workload
+
+
+def lower_bound(cluster: Cluster, workload: Workload, objective: str) -> float:
+    flops = sum(u.flops for u in workload.units)
+    speeds = [1 / seconds_per_flop(cluster, d) for d in usable_devices(cluster)]
+    if objective == "latency":
+        return flops / max(speeds)
+    return _windows_bound(cluster, workload, flops / sum(speeds))
+
+
+def _windows_bound(cluster: Cluster, workload: Workload, low: float) -> float:
+    """The least bottleneck T at which the peers' largest blocks could cover all the flops:
+    each peer's largest contiguous block costing <= T that fits its memory (the source's
+    must start at unit 0), summed over peers, must reach the total."""
+    flops = np.concatenate([[0.0], np.cumsum([u.flops for u in workload.units])])
+    need = np.concatenate([[0.0], np.cumsum([memory_need(cluster, u) for u in workload.units])])
+    peers = [(seconds_per_flop(cluster, d), capacity(cluster, d) * (1 + MEMORY_SLACK),
+              d.id == cluster.source) for d in usable_devices(cluster)]
+
+    def covered(limit: float) -> float:
+        total = 0.0
+        for spf, room, source in peers:
+            starts = np.arange(1 if source else len(flops) - 1)
+            end = np.minimum(np.searchsorted(flops, flops[starts] + limit / spf, "right"),
+                             np.searchsorted(need, need[starts] + room, "right")) - 1
+            total += (flops[end] - flops[starts]).max()
+        return total
+
+    high = flops[-1] * max(spf for spf, _, _ in peers)
+    enough = flops[-1] * (1 - 1e-12)  # sums of differences of prefix sums round
+    if covered(high) < enough:
+        return low
+    for _ in range(50):
+        middle = (low + high) / 2
+        low, high = (low, middle) if covered(middle) >= enough else (middle, high)
+    return low * (1 - 1e-9)
+
+
+def _nearest_first(cluster: Cluster, source: Device, others: list[Device]) -> list[Device]:
+    """From the source, each next peer is the one with the quickest link from the last."""
+    order, last, left = [], source, list(others)
+    while left:
+        link = {d.id: cluster.link(last.id, d.id) for d in left}
+        last = min(left, key=lambda d: link[d.id].latency_s if link[d.id] else math.inf)
+        order.append(last)
+        left.remove(last)
+    return order
+
+
+def upper_bound(cluster: Cluster, workload: Workload, objective: str) -> float:
+    """The objective of the best valid quick plan; inf when none is valid."""
+    source = cluster.device(cluster.source)
+    others = [d for d in usable_devices(cluster) if d.id != cluster.source]
+    orders = [sorted(others, key=lambda d: seconds_per_flop(cluster, d)),
+              sorted(others, key=lambda d: -d.memory_available),
+              _nearest_first(cluster, source, others)]
+    candidates: list[Callable[[], list[Stage] | None]] = [
+        lambda: even_split(cluster, workload, objective),
+        lambda: memory_split(cluster, workload, objective),
+        *(lambda order=order: ordered_stages(cluster, workload, objective, [source, *order])
+          for order in orders),
+    ]
+    best = math.inf
+    for make in candidates:
+        try:
+            stages = make()
+        except Infeasible:
+            continue
+        if stages and not violations(cluster, workload, stages):
+            best = min(best, simulate(cluster, workload, stages).objective(objective))
+    return best
