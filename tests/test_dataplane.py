@@ -6,20 +6,12 @@ import contextlib
 import numpy as np
 import pytest
 from ring import eventually, reference, running_ring
-from toy_units import ToyModel, write_toy
 
 from peerd import protocol
 from peerd.dataplane import Busy, GenerationError, Limits, Request
 from shards.sampling import SamplingParams
 
 PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 0], [3, 3], [2], [7, 1], [9, 9, 9]]
-
-
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("toy")
-    model = ToyModel()
-    return model, write_toy(directory, model), directory
 
 
 @pytest.fixture

@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
-from toy_units import ToyModel, write_toy
 
 from shards.executor import StageExecutor
-from shards.manifest import Manifest
 
 IDS = [3, 1, 4, 1, 5, 9, 2, 6]
-
-
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory: pytest.TempPathFactory) -> tuple[ToyModel, Manifest, Path]:
-    directory = tmp_path_factory.mktemp("toy")
-    model = ToyModel()
-    return model, write_toy(directory, model), directory
 
 
 def _request(ids: list[int], start: int) -> dict[str, np.ndarray]:

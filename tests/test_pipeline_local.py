@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from toy_units import ToyModel, write_toy
+from toy_units import ToyModel
 
 from peerd.local_pipeline import LocalPipeline
 from peerd.pipeline import Generation, StageWorker
@@ -12,13 +12,6 @@ from shards.executor import StageExecutor
 from shards.sampling import SamplingParams
 
 SPLITS = {1: [(0, 2)], 2: [(0, 0), (1, 2)], 3: [(0, 0), (1, 1), (2, 2)]}
-
-
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("toy")
-    model = ToyModel()
-    return model, write_toy(directory, model), directory
 
 
 def _pipeline(toy, parts: int, fp16_wire: bool = False) -> LocalPipeline:

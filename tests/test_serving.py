@@ -4,20 +4,12 @@ import asyncio
 
 import pytest
 from ring import eventually, reference, running_ring
-from toy_units import ToyModel, write_toy
 
 from peerd.dataplane import Limits
 from peerd.errors import PeerdError
 from peerd.serving import parse_chat
 
 PROMPT = [1, 2, 3]
-
-
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("toy")
-    model = ToyModel()
-    return model, write_toy(directory, model), directory
 
 
 @pytest.fixture
