@@ -34,7 +34,11 @@ def test_a_single_stage_sends_nothing_and_returns_the_logits(manifest):
 
 @pytest.mark.parametrize(
     "ranges, reason",
-    [([(0, 0), (2, 2)], "expected 1"), ([(0, 1)], "cover 2 units"), ([(0, 2), (3, 3)], "cover 4 units")],
+    [
+        ([(0, 0), (2, 2)], "expected 1"),
+        ([(0, 1)], "cover 2 units"),
+        ([(0, 2), (3, 3)], "cover 4 units"),
+    ],
 )
 def test_ranges_that_do_not_cover_the_units_in_order_are_refused(manifest, ranges, reason):
     with pytest.raises(ValueError, match=reason):
