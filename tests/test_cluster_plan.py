@@ -9,6 +9,10 @@ and run in file order: the last one kills a peer.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import time
+
 import netns
 import pytest
 
@@ -37,6 +41,33 @@ def cluster(hf_checkpoint, tmp_path_factory):
     args[0] += ["--model", str(model_dir)]
     with netns.cluster(dirs, args) as (_, peers):
         yield peers
+
+
+def test_with_the_model_sharded_the_cluster_forms_and_deploys_it_within_15s(
+    hf_checkpoint, tmp_path
+):
+    """A peer restarting with its shard cache: formation by mDNS, election, measurement,
+    the plan and every stage loaded, all within 15 s of starting the daemons."""
+    model_dir = hf_checkpoint("llama", layers=4)
+    dirs = netns.make_state_dirs(tmp_path, 3)
+    subprocess.run(
+        [*netns.PEERD, "shard", str(model_dir), "--json"], check=True, capture_output=True,
+        timeout=SHARDED_S, env={**os.environ, "PEERD_STATE_DIR": str(dirs[0])},
+    )
+    args = {i: ["--memory-budget", BUDGET] for i in range(3)}
+    args[0] += ["--model", str(model_dir)]
+    started = time.monotonic()
+    with netns.cluster(dirs, args) as (_, peers):
+        ids = [p.id for p in peers]
+
+        def formed_and_deployed() -> dict | None:
+            agreed = netns.agreement([p.status() for p in peers], ids)
+            return agreed and netns.deployed_plan(peers)
+
+        plan = netns.wait_for(formed_and_deployed, 15 - (time.monotonic() - started),
+                              "formation and a deployed plan")
+        print(f"formed and deployed in {time.monotonic() - started:.1f}s")
+    assert len({stage["peer"] for stage in plan["stages"]}) >= 2
 
 
 def _cached(peer: netns.Peer) -> set[str]:
