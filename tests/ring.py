@@ -8,12 +8,13 @@ import contextlib
 
 import numpy as np
 from toy_units import ToyModel
+from waiting import answered
 
 from peerd import protocol
 from peerd.dataplane import DataPlane, Limits
 from peerd.identity import ClusterSecret, KeyPair
 from peerd.serving import ChatService, Head
-from peerd.transport import Endpoint, Transport, TransportError
+from peerd.transport import Endpoint, Transport
 from shards.executor import StageExecutor
 
 SECRET = ClusterSecret(b"d" * 32)
@@ -44,18 +45,6 @@ class Peer:
     def endpoint(self) -> Endpoint:
         return Endpoint(HOST, self.ports.control, self.ports.data, self.keys.public)
 
-    async def reach(self, other: str) -> None:
-        """Wait until the CURVE handshake with `other` is done and it answers."""
-        deadline = asyncio.get_running_loop().time() + 5
-        while True:
-            try:
-                await self.transport.request(other, protocol.Ping(req=0), 0.2)
-                return
-            except TransportError:
-                if asyncio.get_running_loop().time() > deadline:
-                    raise
-                await asyncio.sleep(0.02)
-
 
 @contextlib.asynccontextmanager
 async def running_ring(manifest, unit_dir, limits: Limits, max_positions: int = 64):
@@ -71,7 +60,9 @@ async def running_ring(manifest, unit_dir, limits: Limits, max_positions: int = 
         peer.plane = DataPlane(peer.id, peer.transport, STAGES, manifest, executor, limits=limits)
         peer.chat.head_peer = "a"
     peers[0].chat.head = Head(peers[0].plane, None, frozenset(), max_positions)
-    await asyncio.gather(*(p.reach(o.id) for p in peers for o in peers if o is not p))
+    await asyncio.gather(
+        *(answered(p.transport, o.id) for p in peers for o in peers if o is not p)
+    )
     try:
         yield peers
     finally:
@@ -86,12 +77,3 @@ def reference(model: ToyModel, prompt: list[int], count: int) -> list[int]:
     for _ in range(count):
         ids.append(int(np.argmax(model.logits(ids)[-1])))
     return ids[len(prompt):]
-
-
-async def eventually(condition, what: str, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-

@@ -5,7 +5,8 @@ import contextlib
 
 import numpy as np
 import pytest
-from ring import eventually, reference, running_ring
+from ring import reference, running_ring
+from waiting import eventually
 
 from peerd import protocol
 from peerd.dataplane import Busy, GenerationError, Limits, Request

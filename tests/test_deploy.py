@@ -13,6 +13,7 @@ import msgpack
 import numpy as np
 import pytest
 from toy_units import ToyModel, write_toy
+from waiting import eventually
 
 from peerd import protocol
 from peerd.deploy import Deployment
@@ -201,13 +202,8 @@ def _plan(manifest, plan_id: int, stages: tuple[PlanStage, ...], epoch: int = 1)
                           "throughput", "milp", PlanFigures(0.1, 10.0, 0.1), None)
 
 
-async def _until(condition, what: str, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-    return value
+async def _until(condition, what: str):
+    return await eventually(condition, what, timeout=10.0)
 
 
 async def test_a_peer_pulls_only_missing_units_refetches_corrupt_ones_and_loads_its_stage(

@@ -2,9 +2,9 @@
 
 import asyncio
 import dataclasses
-import time
 
 import pytest
+from waiting import eventually
 
 from peerd import protocol
 from peerd.discovery import MdnsDiscovery, StaticPeers, advertised_addresses, parse_peer
@@ -101,14 +101,6 @@ def test_loopback_is_never_advertised_next_to_a_lan_address():
     assert automatic == ["127.0.0.1"] or not any(a.startswith("127.") for a in automatic)
 
 
-async def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 class Seen:
     def __init__(self):
         self.records, self.departures = [], []
@@ -129,12 +121,12 @@ async def test_mdns_finds_members_ignores_and_counts_strangers_and_notices_goodb
     for discovery in (watcher, friend, foreign):
         await discovery.start()
     try:
-        await wait_for(lambda: any(r == member for r, _ in seen.records), 15, "the member")
-        await wait_for(lambda: watcher.ignored >= 1, 15, "the stranger to be ignored")
+        await eventually(lambda: any(r == member for r, _ in seen.records), "the member", 15)
+        await eventually(lambda: watcher.ignored >= 1, "the stranger to be ignored", 15)
         assert all(r.id != stranger.id for r, _ in seen.records)
         assert ("127.0.0.1") in {address for r, address in seen.records if r == member}
         await friend.close()
-        await wait_for(lambda: (member.id, member.instance) in seen.departures, 15, "goodbye")
+        await eventually(lambda: (member.id, member.instance) in seen.departures, "goodbye", 15)
     finally:
         for discovery in (watcher, foreign):
             await discovery.close()
@@ -164,7 +156,7 @@ async def test_static_peers_exchange_verified_records_by_hello():
                     seen.record).run()
     )
     try:
-        await wait_for(lambda: seen.records, 10, "the server's record")
+        await eventually(lambda: seen.records, "the server's record", 10)
         record, address = seen.records[0]
         assert (record.id, address) == (server_record.id, "127.0.0.1")
         assert received[0] == mine

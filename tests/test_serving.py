@@ -3,7 +3,8 @@
 import asyncio
 
 import pytest
-from ring import eventually, reference, running_ring
+from ring import reference, running_ring
+from waiting import eventually
 
 from peerd.dataplane import Limits
 from peerd.errors import PeerdError

@@ -1,13 +1,13 @@
 """The encrypted transport on loopback: requests, ZAP admission, malformed input, channels."""
 
 import asyncio
-import time
 
 import msgpack
 import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
+from waiting import answered, eventually
 from zmq.utils.monitor import parse_monitor_message
 
 from peerd import protocol
@@ -43,26 +43,6 @@ class Node:
         return Endpoint(HOST, self.ports.control, self.ports.data, self.keys.public)
 
 
-async def wait_for(condition, timeout: float = 5.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-    return value
-
-
-async def ping_until_answered(node: Node, peer: str, timeout: float = 5.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return await node.transport.request(peer, protocol.Ping(req=0), 0.5)
-        except TransportError:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.05)
-
-
 @pytest.fixture
 async def pair():
     a, b = Node(), Node()
@@ -77,7 +57,7 @@ async def pair():
 
 async def test_requests_are_answered_and_senders_identified_by_their_key(pair):
     a, b = pair
-    answer = await ping_until_answered(a, "b")
+    answer = await answered(a.transport, "b")
     assert isinstance(answer, protocol.Pong)
     ping = next(i for i in b.received if isinstance(i.msg, protocol.Ping))
     assert ping.sender_key == a.keys.public
@@ -91,7 +71,7 @@ async def test_a_key_that_is_not_admitted_cannot_finish_the_handshake(pair):
     try:
         outsider.transport.admit(b.keys.public)
         outsider.transport.connect("b", b.endpoint())
-        await wait_for(lambda: b.transport.zap.denied >= 1, what="a ZAP refusal")
+        await eventually(lambda: b.transport.zap.denied >= 1, "a ZAP refusal")
         with pytest.raises(TransportError):
             await outsider.transport.request("b", protocol.Ping(req=0), 0.5)
         assert not any(i.sender_key == outsider.keys.public for i in b.received)
@@ -104,9 +84,9 @@ async def test_a_peer_refused_before_it_was_admitted_gets_through_once_it_is():
     try:
         a.transport.admit(b.keys.public)
         a.transport.connect("b", b.endpoint())
-        await wait_for(lambda: b.transport.zap.denied >= 1, what="a refusal")
+        await eventually(lambda: b.transport.zap.denied >= 1, "a refusal")
         b.transport.admit(a.keys.public)  # b learns of a only now
-        assert isinstance(await ping_until_answered(a, "b"), protocol.Pong)
+        assert isinstance(await answered(a.transport, "b"), protocol.Pong)
     finally:
         await a.transport.close()
         await b.transport.close()
@@ -146,20 +126,20 @@ JUNK = [
 
 async def test_malformed_and_misrouted_messages_are_dropped_and_counted(pair):
     a, b = pair
-    await ping_until_answered(a, "b")
+    await answered(a.transport, "b")
     sock = _member_dealer(a, b, b.ports.control)
     try:
         for frames in JUNK:  # the last is well-formed but belongs on the data channel
             await sock.send_multipart(frames)
-        await wait_for(lambda: b.transport.malformed == len(JUNK), what="every drop counted")
-        assert isinstance(await ping_until_answered(a, "b"), protocol.Pong)
+        await eventually(lambda: b.transport.malformed == len(JUNK), "every drop counted")
+        assert isinstance(await answered(a.transport, "b"), protocol.Pong)
     finally:
         sock.close()
 
 
 async def test_a_frame_over_the_channel_limit_drops_only_that_connection(pair):
     a, b = pair
-    await ping_until_answered(a, "b")
+    await answered(a.transport, "b")
     sock = _member_dealer(a, b, b.ports.control)
     monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
     try:
@@ -181,15 +161,16 @@ async def test_a_frame_over_the_channel_limit_drops_only_that_connection(pair):
 
 async def test_a_failing_handler_does_not_stop_the_receive_loop(pair):
     a, b = pair
-    await ping_until_answered(a, "b")
+    await answered(a.transport, "b")
     assert a.transport.send("b", protocol.Goodbye(instance="x"))
-    await wait_for(lambda: any(isinstance(i.msg, protocol.Goodbye) for i in b.received))
-    assert isinstance(await ping_until_answered(a, "b"), protocol.Pong)
+    await eventually(lambda: any(isinstance(i.msg, protocol.Goodbye) for i in b.received),
+                     "the goodbye")
+    assert isinstance(await answered(a.transport, "b"), protocol.Pong)
 
 
 async def test_control_messages_overtake_a_bulk_transfer(pair):
     a, b = pair
-    await ping_until_answered(a, "b")
+    await answered(a.transport, "b")
     bulk_probe = protocol.BandwidthProbe(
         req=0, tensors={"payload": np.zeros(protocol.MAX_PROBE_BYTES, np.uint8)}
     )
@@ -206,6 +187,6 @@ async def test_requests_to_unknown_or_silent_peers_fail_cleanly(pair):
     a, b = pair
     with pytest.raises(TransportError, match="not reachable"):
         await a.transport.request("nobody", protocol.Ping(req=0), 0.5)
-    await ping_until_answered(a, "b")
+    await answered(a.transport, "b")
     with pytest.raises(TransportError, match="did not answer"):
         await a.transport.request("b", protocol.MeasureRequest(req=0, epoch=1), 0.3)
