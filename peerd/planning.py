@@ -21,7 +21,7 @@ from planner import model as pm
 from planner.errors import Infeasible
 from planner.io import workload_from_dict
 from planner.solve import solve
-from shards.manifest import REQUEST, Manifest
+from shards.manifest import Manifest
 
 log = logging.getLogger("peerd.planning")
 
@@ -59,18 +59,7 @@ def _battery(battery: Battery | None) -> pm.Battery | None:
 
 
 def workload_from_manifest(manifest: Manifest) -> pm.Workload:
-    """The planner's units. An output consumed by the request itself (consumer -1: the logits,
-    sampled on the stage that computes them) is no message between stages; the planner
-    counts the sampled token's trip back to the source as the manifest's return_bytes."""
-    data = manifest.to_dict()
-    data["units"] = [
-        {**unit, "outputs": [
-            {**output, "consumers": [c for c in output["consumers"] if c != REQUEST]}
-            for output in unit["outputs"]
-        ]}
-        for unit in data["units"]
-    ]
-    return workload_from_dict(data)
+    return workload_from_dict(manifest.to_dict())
 
 
 def context_for(manifest: Manifest) -> int:

@@ -14,6 +14,9 @@ from planner.errors import InvalidInput
 from planner.model import Battery, Cluster, Device, Link, Output, Plan, Unit, Workload
 
 MANIFEST_FORMAT = 1
+# A manifest output consumed by the request itself (the logits, sampled on the stage that
+# computes them) is no message between stages; its trip back is the manifest's return_bytes.
+MANIFEST_REQUEST = -1
 
 
 def _field(obj: Any, key: str, where: str) -> Any:
@@ -42,9 +45,9 @@ def _list(obj: Any, key: str, where: str, *, default: list | None = None) -> lis
     if default is not None and isinstance(obj, dict) and key not in obj:
         return default
     value = _field(obj, key, where)
-    if not isinstance(value, list):
+    if not isinstance(value, list | tuple):  # JSON gives lists; dataclasses.asdict, tuples
         raise InvalidInput(f"{where}.{key} must be a list")
-    return value
+    return list(value)
 
 
 def _text(obj: Any, key: str, where: str) -> str:
@@ -122,8 +125,10 @@ def cluster_from_dict(raw: Any) -> Cluster:
     )
 
 
-def _consumers(raw: Any, where: str, unit: int, count: int) -> tuple[int, ...]:
+def _consumers(raw: Any, where: str, unit: int, count: int, manifest: bool) -> tuple[int, ...]:
     consumers = _list(raw, "consumers", where)
+    if manifest:
+        consumers = [c for c in consumers if c != MANIFEST_REQUEST]
     for c in consumers:
         if isinstance(c, bool) or not isinstance(c, int) or not unit < c < count:
             raise InvalidInput(
@@ -143,7 +148,8 @@ def _unit(raw: Any, where: str, index: int, count: int, manifest: bool) -> Unit:
     outputs = []
     for j, out in enumerate(_list(raw, "outputs", where, default=[])):
         at = f"{where}.outputs[{j}]"
-        outputs.append(Output(_number(out, size_key, at), _consumers(out, at, index, count)))
+        consumers = _consumers(out, at, index, count, manifest)
+        outputs.append(Output(_number(out, size_key, at), consumers))
     return Unit(
         flops=flops,
         weight_bytes=_number(raw, "weight_bytes", where),

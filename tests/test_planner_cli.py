@@ -96,3 +96,13 @@ def test_a_missing_file_and_a_bad_flag(tmp_path):
     assert done.stderr.startswith("peerd: cannot read cluster file")
     done = plan(tmp_path, CLUSTER, units(), "--solver", "magic")
     assert done.returncode == 2
+
+
+def test_a_real_manifest_plans_with_its_request_outputs_left_to_the_return_hop(tmp_path, toy):
+    _, manifest, _ = toy
+    logits = manifest.units[-1].outputs[0]
+    assert logits.consumers == (-1,), "the premise: the logits are consumed by the request"
+    done = plan(tmp_path, CLUSTER, manifest.to_dict(), "--json")
+    assert done.returncode == 0, done.stderr
+    stages = json.loads(done.stdout)["stages"]
+    assert [u for s in stages for u in s["units"]] == list(range(len(manifest.units)))

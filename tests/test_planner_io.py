@@ -142,3 +142,11 @@ def test_plan_json_has_the_documented_shape():
     assert [m["peer"] for m in data["movable"]] == [s["peer"] for s in data["stages"]]
     assert data["predicted"]["throughput_tps"] == pytest.approx(
         1 / data["predicted"]["bottleneck_s"])
+
+
+def test_only_a_manifest_may_name_the_request_as_a_consumer():
+    units = {"return_bytes": 8, "units": [
+        {"flops": 1.0, "weight_bytes": 1, "kv_bytes_per_token": 0,
+         "outputs": [{"bytes": 4, "consumers": [-1]}]}]}
+    with pytest.raises(InvalidInput, match="consumers"):
+        workload_from_dict(units)
