@@ -87,6 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--battery-file",
         help='JSON file {"percent": P, "plugged": B} read instead of a battery sensor',
     )
+    p.add_argument(
+        "--openai", metavar="[HOST:]PORT",
+        help="serve an OpenAI-compatible HTTP API there (off by default; PORT alone means "
+        "127.0.0.1:PORT; it has no authentication)",
+    )
+    p.add_argument(
+        "--fp16-wire", action="store_true",
+        help="send this peer's activations to other stages as float16 (half the bytes)",
+    )
+    p.add_argument(
+        "--no-rebalance", action="store_true",
+        help="as leader, keep a deployed plan when load or battery change (default: move "
+        "work when a better plan is predicted 15%% faster for a few seconds)",
+    )
     p.set_defaults(handler="peerd.daemon:cmd_start")
 
     p = sub.add_parser("stop", help="stop the local daemon cleanly")

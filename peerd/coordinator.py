@@ -13,7 +13,11 @@ peer gone, a new epoch or model, no plan yet) re-plans at once. Each plan gets t
 id and goes to every member; a member that has not answered it with a DeployReport gets it
 again the next round, and one that reported `failed` retries when it gets it again. When no
 plan is possible (no model yet, or the model does not fit) the members get a plan without
-stages whose `problem` says why, and unload.
+stages whose `problem` says why, and unload. While nothing of that changes and the plan is
+deployed, every round re-scores it with the fresh figures and the rebalancing policy
+(peerd/rebalance.py) decides whether to move work. Every new plan is published as a `plan` event
+(`plan_event`: why it was made, its stages, prediction and residual links) to the local API's
+subscribers, such as the dashboard.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from peerd import rebalance
 from peerd.planning import cluster_from_report, context_for, solve_plan, workload_from_manifest
 from peerd.protocol import (
     ClusterReport,
@@ -34,7 +40,11 @@ from peerd.protocol import (
     PlanFigures,
     PlanStage,
 )
+from peerd.routing import routes
 from peerd.transport import TransportError
+from planner import model as pm
+from planner.constraints import violations
+from planner.cost import simulate
 from planner.errors import PlannerError
 from shards.manifest import Manifest, ManifestError
 
@@ -87,9 +97,12 @@ class Coordinator:
         solver: str = "milp",
         settle_s: float = REPLAN_SETTLE_S,
         clock: Callable[[], float] = time.monotonic,
+        publish: Callable[[dict[str, Any]], None] = lambda event: None,
+        policy: rebalance.Policy | None = rebalance.Policy(),  # noqa: B008 - frozen
     ):
         """`ask_manifest(peer, have_key)` returns that peer's ManifestOffer; `send(peer, msg)`
-        delivers a message to a member (this peer included)."""
+        delivers a message to a member (this peer included); `publish(event)` tells local
+        subscribers about each new plan; `policy` is when to rebalance (None: never)."""
         self._ask_manifest = ask_manifest
         self._send = send
         self.objective = objective
@@ -102,6 +115,9 @@ class Coordinator:
         self._pending: tuple[_PlanInputs, float] | None = None  # a change, and since when
         self._settle_s = settle_s
         self._clock = clock
+        self._publish = publish
+        self.policy = policy
+        self._rebalancing = rebalance.State()
         self._plan_ids = itertools.count(1)
 
     async def step(self, epoch: int, report: ClusterReport, members: Iterable[str]) -> None:
@@ -117,13 +133,64 @@ class Coordinator:
         )
         if inputs == self._inputs:
             self._pending = None  # a change that went away again
+            if self.deployed and self.policy is not None:
+                await self._rebalance(epoch, report)
         elif self._replan_now(inputs):
+            reason = _reason(self._inputs, inputs)
             self._inputs, self._pending = inputs, None
-            self.plan = await self._new_plan(epoch, report)
-            self.reports = {}
+            self._adopt(await self._new_plan(epoch, report), reason)
         for member in members:
             if self._needs_plan(member):
                 self._send(member, self.plan)
+
+    def _adopt(self, plan: PlanAssignment, reason: str) -> None:
+        self.plan = plan
+        self.reports = {}
+        self._rebalancing = dataclasses.replace(self._rebalancing, changed_at=self._clock())
+        self._publish(plan_event(plan, reason))
+
+    async def _rebalance(self, epoch: int, report: ClusterReport) -> None:
+        """Score the deployed plan with fresh figures; move work when the policy says so."""
+        look = await self._look(report)
+        if look is None:
+            return
+        self._rebalancing, decision = rebalance.apply(self._rebalancing, self.policy, look[0])
+        if decision is None:
+            return
+        assignment = self._assignment(epoch, look[1] if decision.full else look[2])
+        log.info("rebalancing (%s): %s", "full plan" if decision.full else "boundaries",
+                 decision.reason)
+        self._publish({"event": "rebalance", "reason": decision.reason, "gain": decision.gain,
+                       "full": decision.full, "plan_id": assignment.plan_id})
+        self._adopt(assignment, f"rebalance: {decision.reason}")
+
+    async def _look(self, report: ClusterReport) -> tuple[rebalance.Look, pm.Plan, pm.Plan] | None:
+        """The policy's view of this round, with the best plan and the best boundary move."""
+        manifest = self.model.manifest
+        workload = workload_from_manifest(manifest)
+        current = tuple(pm.Stage(s.peer, s.first, s.last + 1) for s in self.plan.stages)
+        try:
+            cluster = cluster_from_report(report, self.model.peer, context_for(manifest))
+            best = await solve_plan(cluster, workload, self.objective, self.solver)
+        except PlannerError:
+            return None  # nothing better exists; a broken plan is re-planned as peers leave
+        ours = {s.peer for s in current}
+        mine = dataclasses.replace(cluster, devices=tuple(d for d in cluster.devices
+                                                          if d.id in ours))
+        try:
+            moved = await solve_plan(mine, workload, self.objective, self.solver)
+        except PlannerError:
+            moved = None
+        broken = violations(cluster, workload, current)
+        score = simulate(cluster, workload, current).objective(self.objective)
+        look = rebalance.Look(
+            now=self._clock(),
+            current_s=math.inf if broken else score,
+            boundaries_s=moved.predicted.objective(self.objective) if moved else None,
+            best_s=best.predicted.objective(self.objective),
+            broken=f"the plan no longer holds: {broken[0]}" if broken else None,
+        )
+        return look, best, moved or best
 
     def _replan_now(self, inputs: _PlanInputs) -> bool:
         if self._breaks_plan(inputs):
@@ -222,6 +289,14 @@ class Coordinator:
                                     self.solver)
         except PlannerError as exc:
             return self._problem(epoch, plan_id, str(exc))
+        return self._assignment(epoch, plan, plan_id)
+
+    def _assignment(self, epoch: int, plan: pm.Plan, plan_id: int | None = None
+                    ) -> PlanAssignment:
+        """The plan as the members get it."""
+        plan_id = next(self._plan_ids) if plan_id is None else plan_id
+        model = self.model
+        manifest = model.manifest
         stages = tuple(PlanStage(s.peer, s.start, s.stop - 1) for s in plan.stages)
         log.info("plan %d (%s, %s): %s; predicted %.1f tokens/s", plan_id, plan.objective,
                  plan.solver, ", ".join(f"{s.peer} {s.first}-{s.last}" for s in stages),
@@ -255,3 +330,53 @@ class Coordinator:
             predicted=None,
             problem=problem,
         )
+
+
+def _reason(old: _PlanInputs | None, new: _PlanInputs) -> str:
+    """What changed since the last plan, in words, for the plan event."""
+    if old is None:
+        return f"first plan of epoch {new.epoch}"
+    changes = []
+    if new.epoch != old.epoch:
+        changes.append(f"new leader epoch {new.epoch}")
+    if joined := new.peers - old.peers:
+        changes.append("joined: " + ", ".join(sorted(joined)))
+    if left := old.peers - new.peers:
+        changes.append("left: " + ", ".join(sorted(left)))
+    if new.model_peer != old.model_peer:
+        changes.append(f"model peer {new.model_peer}")
+    if new.model_state != old.model_state:
+        changes.append(f"model {new.model_state}")
+    elif new.model_key != old.model_key:
+        changes.append("new manifest")
+    return "; ".join(changes)
+
+
+def plan_event(plan: PlanAssignment, reason: str) -> dict[str, Any]:
+    """The local API's `plan` event: the plan, why it was made, and its residual links
+    (tensors a stage sends straight to a later, non-adjacent stage)."""
+    predicted = dataclasses.asdict(plan.predicted) if plan.predicted else None
+    return {
+        "event": "plan",
+        "plan_id": plan.plan_id,
+        "epoch": plan.epoch,
+        "reason": reason,
+        "stages": [{"peer": s.peer, "first": s.first, "last": s.last} for s in plan.stages],
+        "predicted": predicted,
+        "problem": plan.problem,
+        "residuals": _residual_links(plan),
+    }
+
+
+def _residual_links(plan: PlanAssignment) -> list[dict[str, Any]]:
+    if not plan.stages or plan.manifest is None:
+        return []
+    stage_routes = routes(Manifest.from_dict(plan.manifest),
+                          [(s.first, s.last) for s in plan.stages])
+    return [
+        {"from": plan.stages[i].peer, "to": plan.stages[route.target].peer,
+         "tensors": list(route.names)}
+        for i, stage in enumerate(stage_routes)
+        for route in stage.sends
+        if route.target != i + 1
+    ]

@@ -29,18 +29,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from peerd import election, membership, protocol, statedir, status
+from peerd import election, membership, protocol, rebalance, statedir, status
 from peerd.benchmark import PROBE_BYTES, collect_figures, collect_links, measure_links
 from peerd.coordinator import Coordinator, ModelStatus
 from peerd.deploy import Deployment
 from peerd.discovery import MdnsDiscovery, StaticPeers, advertised_addresses, parse_peer
 from peerd.election import Candidate, Role
 from peerd.errors import PeerdError
+from peerd.history import FiguresHistory
 from peerd.identity import ClusterSecret, Identity, load_identity, load_secret
 from peerd.local_api import EventBus, LocalApi, Send
 from peerd.model_host import ModelHost
 from peerd.monitor import Monitor, on_mains, parse_size
+from peerd.openai_api import OpenAiApi, parse_address, served_model
 from peerd.records import PeerRecord, RecordError, verify
+from peerd.sd_notify import Notifier
 from peerd.serving import Serving
 from peerd.transport import Endpoint, Incoming, Transport, TransportError
 from peerd.unit_store import UnitStore
@@ -55,7 +58,8 @@ UNITS_DIR = "units"  # the unit file cache in the state directory
 ELECTION_KINDS = (protocol.VoteRequest, protocol.Vote, protocol.LeaderAnnounce)
 SERVING_KINDS = (
     protocol.StageData, protocol.SequenceOpen, protocol.SequenceToken, protocol.SequenceDrop,
-    protocol.SequenceFailed, protocol.ChatRequest, protocol.ChatEvent, protocol.ChatCancel,
+    protocol.SequenceFailed, protocol.SequenceStatsRequest, protocol.ChatRequest,
+    protocol.ChatEvent, protocol.ChatCancel,
 )
 
 
@@ -70,9 +74,12 @@ class Options:
     model: str | None = None
     membership_timing: membership.Timing = membership.Timing()
     election_timing: election.Timing = election.Timing()
-    measure_interval_s: float = 5.0
+    measure_interval_s: float = 1.0  # figures from every peer; links every links_interval_s
     links_interval_s: float = 60.0
     probe_bytes: int = PROBE_BYTES
+    fp16_wire: bool = False
+    rebalance: bool = True  # as leader, move work when load or battery change
+    openai: tuple[str, int] | None = None  # where the OpenAI-compatible endpoint listens
 
 
 class Daemon:
@@ -97,6 +104,7 @@ class Daemon:
         )
         self.events = EventBus()
         self.report: protocol.ClusterReport | None = None
+        self.history = FiguresHistory()
         self.model_host = (
             ModelHost(Path(options.model), options.state_dir) if options.model else None
         )
@@ -105,9 +113,13 @@ class Daemon:
             identity.id, UnitStore(options.state_dir / UNITS_DIR), self._unit_asker,
             self._send_deploy_report, local_files=self._served_files,
         )
-        self.coordinator = Coordinator(self._ask_manifest, self._send_plan)
+        self.coordinator = Coordinator(
+            self._ask_manifest, self._send_plan, publish=self.events.publish,
+            policy=rebalance.Policy() if options.rebalance else None,
+        )
         self.serving = Serving(
-            identity.id, self.transport, Path(options.model) if options.model else None
+            identity.id, self.transport, Path(options.model) if options.model else None,
+            fp16_wire=options.fp16_wire,
         )
         self._peers_view: election.PeersChanged | None = None
         self._links: tuple[protocol.LinkFigures, ...] = ()
@@ -147,6 +159,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop)
+        self.notifier = Notifier.from_environment()
         try:
             ports = self.transport.start()
         except TransportError as exc:
@@ -161,17 +174,25 @@ class Daemon:
             {"status": self._op_status, "stop": self._op_stop, "subscribe": self._op_subscribe,
              "chat": self._op_chat},
         )
+        self.openai = (
+            OpenAiApi(self._op_chat, lambda: served_model(self.deployment))
+            if self.options.openai else None
+        )
         self.discovery = MdnsDiscovery(
             self.record, self.secret, self.options.interface, self._on_record,
             self._on_departure,
         )
         try:
             await self.api.start()
+            if self.openai is not None:
+                await self.openai.start(*self.options.openai)
             await self.discovery.start()
             self._start_loops()
             log.info("peerd %s (%s) started: hello %d, control %d, data %d, instance %s",
                      self.identity.name, self.id, ports.hello, ports.control, ports.data,
                      self.instance)
+            self.notifier.ready(f"{self.identity.name} ready: hello {ports.hello}, "
+                                f"control {ports.control}, data {ports.data}")
             await self._stopping.wait()
         finally:
             await self._shutdown()
@@ -180,6 +201,7 @@ class Daemon:
         self._spawn(self._heartbeats())
         self._spawn(self._watch_capability())
         self._spawn(self._lead())
+        self._spawn(self.notifier.feed_watchdog())
         if self.model_host is not None:
             self._spawn(self.model_host.run())
         if self.options.static_peers:
@@ -194,6 +216,9 @@ class Daemon:
         self._stopping.set()
 
     async def _shutdown(self) -> None:
+        if self.openai is not None:
+            await self.openai.close()
+        self.notifier.stopping()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -389,7 +414,9 @@ class Daemon:
     def _cluster_report(self, member, msg: protocol.ClusterReport, incoming) -> None:
         if member.id == self.election.leader and msg.epoch == self.election.epoch:
             self.report = msg
+            self.history.add(msg)
             self.events.publish(_measurements_event(msg))
+            self._refresh_serving()
 
     # -- loops --------------------------------------------------------------------------------
 
@@ -440,6 +467,8 @@ class Daemon:
             return  # deposed while measuring
         report = protocol.ClusterReport(epoch, tuple(figures.values()), self._links)
         self.report = report
+        self.history.add(report)
+        self._refresh_serving()
         for peer_id in peers[1:]:
             self.transport.send(peer_id, report)
         self.events.publish(_measurements_event(report))
@@ -477,7 +506,10 @@ class Daemon:
 
     async def _own_figures(self) -> protocol.PeerFigures:
         """This peer's readings, with the units it has loaded."""
-        return dataclasses.replace(await self.monitor.figures(), units=self.deployment.units)
+        return dataclasses.replace(
+            await self.monitor.figures(), units=self.deployment.units,
+            plan=self.deployment.ready_plan, stage_s=self.serving.stage_seconds(),
+        )
 
     async def solve_and_deploy(self, report: protocol.ClusterReport) -> None:
         """The leader's planning step, after every measurement round (peerd/coordinator.py):
@@ -523,6 +555,7 @@ class Daemon:
                      msg.plan_id, msg.epoch, member.id)
 
     def _send_deploy_report(self, report: protocol.DeployReport) -> None:
+        self._refresh_serving()  # a stage just loaded gets its plane before the leader hears
         leader = self.election.leader
         if leader == self.id:
             self._take_deploy_report(self.id, report)
@@ -576,6 +609,7 @@ class Daemon:
             self.deployment.plan_document(), self._model(),
         )
         document["deployment"] = self.deployment.status()
+        document["history"] = self.history.document()
         self._refresh_serving()
         document["dataplane"] = self.serving.status()
         document["torch_imported"] = "torch" in sys.modules
@@ -640,7 +674,10 @@ def options_from_args(args: argparse.Namespace) -> Options:
         memory_budget=parse_size(args.memory_budget) if args.memory_budget else None,
         static_peers=tuple(parse_peer(p) for p in args.peer),
         battery_file=args.battery_file,
+        fp16_wire=args.fp16_wire,
+        rebalance=not args.no_rebalance,
         model=args.model,
+        openai=parse_address(args.openai) if args.openai else None,
     )
 
 

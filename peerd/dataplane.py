@@ -1,14 +1,20 @@
-"""This peer's part in running the deployed model over the network.
+"""This peer's part in running one deployed plan over the network.
 
 Every peer in the plan runs one `StageWorker` (peerd/pipeline.py) for its stage; the source
-peer, which holds unit 0, is also the head: it admits requests, runs their first stage, and
-receives the sampled tokens from the last stage. Messages travel on the transport's data
+peer, which holds unit 0, is also the head: it runs each answer's `Generation` step by step
+and receives the sampled tokens from the last stage. Messages travel on the transport's data
 channel: `StageData` along the routes (sequential to the next stage, residuals straight to
 their consumers), `SequenceOpen` from the head to the last stage before a sequence starts,
-`SequenceToken` back to the head, `SequenceDrop` to every stage when a sequence ends, and
-`SequenceFailed` to the head when a stage cannot run a step.
+`SequenceToken` back to the head, `SequenceStatsRequest` to every stage as an answer ends,
+`SequenceDrop` to every stage when a sequence ends, and `SequenceFailed` to the head when a
+stage cannot run a step.
 
-Units run on one compute thread per peer, so the event loop keeps serving heartbeats and
+A plane serves one plan. During a plan change the old and the new plane serve side by side
+(each message names its plan); when the head retires the old plane, every answer running on
+it gets `PlaneClosed` and continues on the new one (peerd/answers.py), and every sequence's
+K/V the old plane held is freed.
+
+Units run on one compute thread per plane, so the event loop keeps serving heartbeats and
 messages of other sequences while a step runs. Everything else happens on the event loop; a
 step that finishes after its sequence ended has its fresh K/V dropped at once.
 """
@@ -17,11 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from peerd.pipeline import Generation, StageWorker, TokenSampler
@@ -30,6 +36,8 @@ from peerd.protocol import (
     SequenceFailed,
     SequenceOpen,
     SequenceOpened,
+    SequenceStats,
+    SequenceStatsRequest,
     SequenceToken,
     StageData,
 )
@@ -43,29 +51,15 @@ log = logging.getLogger("peerd.dataplane")
 
 # Sequences that ended recently: late messages for them are ignored rather than reviving K/V.
 _ENDED_MEMORY = 4096
+STATS_TIMEOUT_S = 2.0
 
 
 class GenerationError(Exception):
     """A sequence that could not be completed; the message is one line for the client."""
 
 
-class Busy(GenerationError):
-    """Every slot is taken and the waiting line is full."""
-
-
-@dataclass(frozen=True)
-class Request:
-    prompt: list[int]
-    params: SamplingParams
-    max_tokens: int
-    stop_ids: frozenset[int]
-
-
-@dataclass
-class _Running:
-    generation: Generation
-    on_token: Callable[[int], None]
-    done: asyncio.Future
+class PlaneClosed(Exception):
+    """The plane was retired while the answer ran on it: continue on the next plan."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +67,35 @@ class Limits:
     max_sequences: int = 8  # running at once
     max_waiting: int = 32  # admitted to wait for a slot; beyond that, Busy
     send_timeout_s: float = 10.0
+    stall_s: float = 60.0  # no token for this long ends an answer: the plan stopped working
+    resume_wait_s: float = 60.0  # an answer whose plan went away waits this long for the next
+
+
+@dataclass
+class _Running:
+    generation: Generation
+    on_token: Callable[[int], None]
+    done: asyncio.Future
+    active_at: float
+
+
+@dataclass
+class _SequenceCost:
+    """What one sequence cost this stage (answered to the head's SequenceStatsRequest)."""
+
+    steps: int = 0
+    compute_s: float = 0.0
+    transfer_s: float = 0.0
+    sequential_bytes: int = 0
+    residual_bytes: int = 0
+
+
+@dataclass
+class _Costs:
+    by_sequence: dict[str, _SequenceCost] = field(default_factory=dict)
+
+    def of(self, seq_id: str) -> _SequenceCost:
+        return self.by_sequence.setdefault(seq_id, _SequenceCost())
 
 
 class DataPlane:
@@ -85,20 +108,23 @@ class DataPlane:
         executor: StageExecutor,
         fp16_wire: bool = False,
         limits: Limits | None = None,
+        plan: str = "local",
     ) -> None:
+        self.plan = plan
         self.peers = [peer for peer, _, _ in stages]
         self.stage = self.peers.index(self_id)
         stage_routes = routes(manifest, [(first, last) for _, first, last in stages])
-        self.worker = StageWorker(self.stage, executor, stage_routes[self.stage], fp16_wire)
+        self.worker = StageWorker(self.stage, executor, stage_routes[self.stage], fp16_wire, plan)
         self.transport = transport
         self.limits = limits or Limits()
         self.sampler = TokenSampler()
+        self.closed = False
         self._running: dict[str, _Running] = {}
+        self._live: set[str] = set()  # sequences whose K/V this plane may hold
+        self._costs = _Costs()
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{self.stage}")
         self._tasks: set[asyncio.Task] = set()
-        self._slots = asyncio.Semaphore(self.limits.max_sequences)
-        self._waiting = 0
 
     @property
     def is_head(self) -> bool:
@@ -108,54 +134,66 @@ class DataPlane:
     def is_last(self) -> bool:
         return self.stage == len(self.peers) - 1
 
-    # -- the head's side ---------------------------------------------------------------------
-    async def generate(self, request: Request, on_token: Callable[[int], None]) -> list[int]:
-        """Run one request to completion, calling `on_token` with each new token.
+    def owns(self, seq_id: str) -> bool:
+        """Whether this plane runs, or holds state of, the sequence."""
+        return seq_id in self._running or seq_id in self._live or seq_id in self.sampler
 
-        Cancelling the calling task ends the sequence on every peer.
+    # -- the head's side ---------------------------------------------------------------------
+    async def run(
+        self, generation: Generation, params: SamplingParams, on_token: Callable[[int], None]
+    ) -> list[SequenceStats]:
+        """Run `generation` until it finishes, calling `on_token` with each new token; the
+        stages' costs of the sequence come back.
+
+        Raises PlaneClosed when the plane is retired first, GenerationError when a stage
+        fails or no token comes for `stall_s`. Cancelling the caller ends the sequence on
+        every peer.
         """
         if not self.is_head:
             raise GenerationError("this peer is not the head of the plan")
-        if self._waiting >= self.limits.max_waiting:
-            raise Busy(
-                f"busy: {self.limits.max_sequences} answers running and "
-                f"{self._waiting} waiting; try again shortly"
-            )
-        self._waiting += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self._waiting -= 1
-        try:
-            return await self._generate(request, on_token)
-        finally:
-            self._slots.release()
-
-    async def _generate(self, request: Request, on_token: Callable[[int], None]) -> list[int]:
-        seq_id = uuid.uuid4().hex
-        generation = Generation(seq_id, request.prompt, request.max_tokens, request.stop_ids)
-        running = _Running(generation, on_token, asyncio.get_running_loop().create_future())
+        if self.closed:
+            raise PlaneClosed
+        seq_id = generation.seq_id
+        loop = asyncio.get_running_loop()
+        running = _Running(generation, on_token, loop.create_future(), time.monotonic())
         self._running[seq_id] = running
         try:
-            await self._open(seq_id, request.params)
-            self._start_step(generation)
-            await running.done
-            return generation.tokens
+            await self._open(seq_id, params, len(generation.tokens))
+            if not running.done.done():
+                self._start_step(generation)
+            await self._until_done(running)
+            return await self._costs_of(seq_id)
         finally:
             self._running.pop(seq_id, None)
             self._end(seq_id)
 
-    async def _open(self, seq_id: str, params: SamplingParams) -> None:
+    async def _open(self, seq_id: str, params: SamplingParams, skip: int) -> None:
         if self.is_last:
-            self.sampler.open(seq_id, params)
+            self.sampler.open(seq_id, params, skip)
             return
-        ask = SequenceOpen(0, seq_id, params.temperature, params.top_k, params.top_p, params.seed)
+        ask = SequenceOpen(0, self.plan, seq_id, params.temperature, params.top_k, params.top_p,
+                           params.seed, skip)
         try:
             answer = await self.transport.request(self.peers[-1], ask, self.limits.send_timeout_s)
         except TransportError as exc:
+            if self.closed:
+                raise PlaneClosed from None
             raise GenerationError(f"the last stage did not answer: {exc}") from None
         if answer.error:
             raise GenerationError(answer.error)
+
+    async def _until_done(self, running: _Running) -> None:
+        stall = self.limits.stall_s
+        while True:
+            waited = time.monotonic() - running.active_at
+            try:
+                await asyncio.wait_for(asyncio.shield(running.done), max(stall - waited, 0.0))
+                return
+            except TimeoutError:
+                if time.monotonic() - running.active_at >= stall:
+                    raise GenerationError(
+                        f"no token for {stall:.0f}s: a peer of the plan stopped answering"
+                    ) from None
 
     def _start_step(self, generation: Generation) -> None:
         step, inputs = generation.step_inputs()
@@ -163,13 +201,14 @@ class DataPlane:
 
     def _on_token(self, seq_id: str, step: int, token: int) -> None:
         running = self._running.get(seq_id)
-        if running is None:
-            return  # cancelled meanwhile
+        if running is None or running.done.done():
+            return  # cancelled or retired meanwhile
         try:
             finished = running.generation.record(step, token)
         except ValueError as exc:
             self._fail(seq_id, str(exc))
             return
+        running.active_at = time.monotonic()
         running.on_token(token)
         if finished:
             running.done.set_result(None)
@@ -181,6 +220,26 @@ class DataPlane:
         if running is not None and not running.done.done():
             running.done.set_exception(GenerationError(reason))
 
+    async def _costs_of(self, seq_id: str) -> list[SequenceStats]:
+        """Each stage's cost of the sequence, in stage order (empty where one did not say)."""
+        asks = [self._stage_cost(peer, seq_id) for peer in self.peers[1:]]
+        others = await asyncio.gather(*asks)
+        return [self._cost_here(0, seq_id), *(s for s in others if s is not None)]
+
+    async def _stage_cost(self, peer: str, seq_id: str) -> SequenceStats | None:
+        try:
+            return await self.transport.request(
+                peer, SequenceStatsRequest(0, seq_id), STATS_TIMEOUT_S
+            )
+        except TransportError as exc:
+            log.info("no statistics of %s from %s: %s", seq_id, peer, exc)
+            return None
+
+    def _cost_here(self, req: int, seq_id: str) -> SequenceStats:
+        cost = self._costs.by_sequence.get(seq_id, _SequenceCost())
+        return SequenceStats(req, cost.steps, cost.compute_s, cost.transfer_s,
+                             cost.sequential_bytes, cost.residual_bytes, self.worker.fp16_wire)
+
     def _end(self, seq_id: str) -> None:
         """Free the sequence here and on every other stage."""
         self._forget(seq_id)
@@ -191,10 +250,15 @@ class DataPlane:
     def handle(self, sender: str, message: Any, reply: Callable[[Any], None]) -> None:
         """A data-plane message from `sender` (a peer id the transport authenticated)."""
         if sender not in self.peers:
-            log.warning("dropped %s from %s: not in the current plan", message.KIND, sender)
+            log.warning("dropped %s from %s: not in plan %s", message.KIND, sender, self.plan)
             return
-        if isinstance(message, SequenceOpen):
+        if getattr(message, "plan", self.plan) != self.plan:
+            log.warning("dropped %s of plan %s: this is plan %s", message.KIND, message.plan,
+                        self.plan)
+        elif isinstance(message, SequenceOpen):
             self._on_open(message, reply)
+        elif isinstance(message, SequenceStatsRequest):
+            reply(self._cost_here(message.req, message.seq_id))
         elif getattr(message, "seq_id", None) in self._ended:
             return
         elif isinstance(message, StageData):
@@ -211,16 +275,20 @@ class DataPlane:
     def _on_open(self, message: SequenceOpen, reply: Callable[[Any], None]) -> None:
         try:
             params = SamplingParams(message.temperature, message.top_k, message.top_p, message.seed)
+            if message.skip < 0:
+                raise ValueError(f"skip must be >= 0, not {message.skip}")
         except ValueError as exc:
             reply(SequenceOpened(message.req, error=str(exc)))
             return
         if not self.is_last:
             reply(SequenceOpened(message.req, error=f"stage {self.stage} does not sample"))
             return
-        self.sampler.open(message.seq_id, params)
+        self.sampler.open(message.seq_id, params, message.skip)
         reply(SequenceOpened(message.req))
 
     def _on_stage_data(self, source: int, message: StageData) -> None:
+        if self.closed:
+            return
         try:
             inputs = self.worker.accept(source, message)
         except ValueError as exc:
@@ -232,22 +300,35 @@ class DataPlane:
 
     async def _run(self, seq_id: str, step: int, inputs: dict) -> None:
         loop = asyncio.get_running_loop()
+        self._live.add(seq_id)
+        cost = self._costs.of(seq_id)
         try:
-            done = await loop.run_in_executor(self._compute, self.worker.run, seq_id, step, inputs)
+            done, seconds = await loop.run_in_executor(
+                self._compute, _timed, self.worker.run, seq_id, step, inputs
+            )
         except Exception as exc:  # ONNX Runtime's errors derive from Exception alone
             await self._report_failure(seq_id, f"stage {self.stage}, step {step}: {exc}")
             return
-        if seq_id in self._ended:
+        if seq_id in self._ended or self.closed:
             self.worker.drop(seq_id)
             return
+        cost.steps += 1
+        cost.compute_s += seconds
+        started = time.perf_counter()
         try:
             for out in done.outgoing:
+                size = sum(t.nbytes for t in out.message.tensors.values())
+                if out.target == self.stage + 1:
+                    cost.sequential_bytes += size
+                else:
+                    cost.residual_bytes += size
                 await self.transport.deliver(
                     self.peers[out.target], out.message, self.limits.send_timeout_s
                 )
         except TransportError as exc:
             await self._report_failure(seq_id, f"stage {self.stage}, step {step}: {exc}")
             return
+        cost.transfer_s += time.perf_counter() - started
         if done.logits is not None:
             await self._emit_token(seq_id, step, self.sampler.sample(seq_id, done.logits))
 
@@ -262,6 +343,8 @@ class DataPlane:
             log.warning("could not return a token of %s: %s", seq_id, exc)
 
     async def _report_failure(self, seq_id: str, reason: str) -> None:
+        if self.closed:
+            return
         log.warning("sequence %s failed: %s", seq_id, reason)
         if self.is_head:
             self._fail(seq_id, reason)
@@ -272,6 +355,8 @@ class DataPlane:
         self._ended[seq_id] = None
         while len(self._ended) > _ENDED_MEMORY:
             self._ended.popitem(last=False)
+        self._live.discard(seq_id)
+        self._costs.by_sequence.pop(seq_id, None)
         self.sampler.close(seq_id)
         self.worker.drop(seq_id)
 
@@ -282,10 +367,21 @@ class DataPlane:
         task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
+        """Retire the plane: running answers get PlaneClosed, and every sequence's state
+        here is freed (the executor may live on in the next plan's plane)."""
+        self.closed = True
+        for running in self._running.values():
+            if not running.done.done():
+                running.done.set_exception(PlaneClosed())
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for running in self._running.values():
-            if not running.done.done():
-                running.done.set_exception(GenerationError("the plan changed; retry"))
-        self._compute.shutdown(wait=True)
+        await asyncio.get_running_loop().run_in_executor(None, self._compute.shutdown, True)
+        for seq_id in list(self._live | set(self._running)):
+            self._forget(seq_id)
+
+
+def _timed(function, *args):
+    started = time.perf_counter()
+    result = function(*args)
+    return result, time.perf_counter() - started

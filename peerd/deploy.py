@@ -81,6 +81,7 @@ class Deployment:
         self.assignment: PlanAssignment | None = None
         self.manifest: Manifest | None = None  # the current plan's
         self.loaded: LoadedStage | None = None
+        self.ready_plan: str | None = None  # key of the plan whose units are loaded
         self.progress = Progress()
         self._task: asyncio.Task | None = None
         self._have: dict[str, int] = {}
@@ -200,6 +201,8 @@ class Deployment:
     def _set(self, state: str, total: int | None = None, detail: str = "") -> None:
         self.progress.state = state
         self.progress.detail = detail
+        plan = self.assignment
+        self.ready_plan = plan.key if state == READY and plan is not None else None
         if total is not None:
             self.progress.total, self.progress.received = total, 0
         self._send_report()

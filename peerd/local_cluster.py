@@ -15,7 +15,7 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from peerd import identity
@@ -31,9 +31,17 @@ READY_S = 600.0
 
 class LocalCluster:
     def __init__(self, root: Path, model_dir: Path, peers: int = 3,
-                 progress: Callable[[str], None] = print) -> None:
+                 progress: Callable[[str], None] = print, holders: int | None = None,
+                 cpus: Sequence[Sequence[int]] | None = None, extra: Sequence[str] = ()) -> None:
+        """`holders`: how many peers it takes to hold the model (default: all of them);
+        `cpus`: per peer, the cores its daemon is pinned to; `extra`: more `peerd start`
+        arguments for every peer."""
         self.root, self.model_dir, self.count = Path(root), Path(model_dir), peers
         self.progress = progress
+        self.holders = holders or peers
+        self.cpus = cpus
+        self.extra = tuple(extra)
+        self._args: dict[int, tuple] = {}
         self.dirs: list[Path] = []
         self.manifest: Manifest | None = None
         self._processes: list[subprocess.Popen] = []
@@ -41,12 +49,12 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         self.dirs = _cluster_dirs(self.root, self.count)
         self.manifest = _shard(self.model_dir, self.dirs[0], self.progress)
-        budget = _budget(self.manifest, self.count)
+        budget = budget_for(self.manifest, self.holders)
         try:
-            self._processes.append(_start(self.dirs[0], budget, "--model", str(self.model_dir)))
+            self._start(0, budget, "--model", str(self.model_dir))
             hello = _wait(lambda: _hello_port(self.dirs[0]), "peer0 to start")
-            for state_dir in self.dirs[1:]:
-                self._processes.append(_start(state_dir, budget, "--peer", f"127.0.0.1:{hello}"))
+            for i in range(1, self.count):
+                self._start(i, budget, "--peer", f"127.0.0.1:{hello}")
             _wait_for_deployment(self.dirs, self.progress)
         except BaseException:
             self.stop()
@@ -55,6 +63,21 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    def _start(self, i: int, budget: str, *args: str) -> None:
+        cores = self.cpus[i] if self.cpus else None
+        self._args[i] = (budget, cores, *args, *self.extra)
+        self._processes.append(_start(self.dirs[i], *self._args[i]))
+
+    def kill(self, i: int) -> None:
+        """SIGKILL peer i's daemon (a device that vanishes)."""
+        process = self._processes[i]
+        process.kill()
+        process.wait(timeout=30)
+
+    def restart(self, i: int) -> None:
+        """Start peer i's daemon again, as it was started."""
+        self._processes[i] = _start(self.dirs[i], *self._args[i])
 
     def status(self, i: int = 0) -> dict | None:
         return _status(self.dirs[i])
@@ -96,19 +119,22 @@ def _shard(model_dir: Path, state_dir: Path, progress: Callable[[str], None]) ->
     return Manifest.load(Path(json.loads(done.stdout)["directory"]))
 
 
-def _budget(manifest: Manifest, peers: int) -> str:
-    """Each peer offers the model's need divided by (peers - 0.6): one peer fewer falls
-    short, all of them have room to spare for splitting the units contiguously."""
+def budget_for(manifest: Manifest, peers: int, spare: float = 0.6) -> str:
+    """Each peer offers the model's need divided by (peers - spare): one peer fewer falls
+    short (spare < 1), all of them have room to spare for splitting the units contiguously
+    (more of it as `spare` nears 1)."""
     context = context_for(manifest)
     need = sum(u.weight_bytes + context * u.kv_bytes_per_token for u in manifest.units)
-    return f"{int(need / (peers - 0.6) / BETA)}"
+    return f"{int(need / (peers - spare) / BETA)}"
 
 
-def _start(state_dir: Path, budget: str, *extra: str) -> subprocess.Popen:
+def _start(state_dir: Path, budget: str, cores: Sequence[int] | None,
+           *extra: str) -> subprocess.Popen:
     log = (state_dir / "daemon.log").open("w")
     command = [sys.executable, "-m", "peerd", "start", "--state-dir", str(state_dir),
                "--interface", "127.0.0.1", "--memory-budget", budget, *extra]
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    pin = None if cores is None else (lambda: os.sched_setaffinity(0, cores))
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin)
 
 
 def _status(state_dir: Path) -> dict | None:

@@ -54,28 +54,57 @@ def read_memory(budget: int | None) -> Memory:
 
 @dataclasses.dataclass(frozen=True)
 class CpuSample:
-    busy_s: float  # CPU seconds spent by the whole machine, all cores
-    own_s: float  # CPU seconds spent by this process
+    busy_s: float  # CPU seconds spent on the cores this daemon may run on
+    peerd_s: dict[int, float]  # per pid: CPU seconds of peerd's processes on those cores
     wall_s: float
 
 
 def sample_cpu() -> CpuSample:
-    times = psutil.cpu_times()
-    busy = sum(
-        getattr(times, field, 0.0)
-        for field in ("user", "nice", "system", "irq", "softirq", "steal")
-    )
-    own = psutil.Process().cpu_times()
-    return CpuSample(busy, own.user + own.system, time.monotonic())
+    """A reading of the cores in this process's CPU affinity: how busy they were, and how
+    much of that was peerd (this daemon, its shard child, other daemons pinned there)."""
+    cores = _cores()
+    per_core = psutil.cpu_times(percpu=True)
+    busy = sum(_busy(per_core[i]) for i in cores if i < len(per_core))
+    return CpuSample(busy, _peerd_cpu_s(set(cores)), time.monotonic())
+
+
+def _cores() -> list[int]:
+    try:
+        return psutil.Process().cpu_affinity()
+    except (AttributeError, psutil.Error):
+        return list(range(psutil.cpu_count() or 1))
+
+
+def _busy(times) -> float:
+    return sum(getattr(times, field, 0.0)
+               for field in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+
+def _peerd_cpu_s(cores: set[int]) -> dict[int, float]:
+    """CPU seconds of this process and of every peerd process confined to `cores`."""
+    me = psutil.Process()
+    seconds = {me.pid: sum(me.cpu_times()[:2])}
+    for process in psutil.process_iter(["cmdline", "cpu_affinity", "cpu_times"]):
+        info = process.info
+        if process.pid == me.pid or not _is_peerd(info["cmdline"] or []):
+            continue
+        if info["cpu_affinity"] and set(info["cpu_affinity"]) <= cores and info["cpu_times"]:
+            seconds[process.pid] = info["cpu_times"].user + info["cpu_times"].system
+    return seconds
+
+
+def _is_peerd(cmdline: list[str]) -> bool:
+    """`peerd ...`, `python .../peerd ...` or `python -m peerd ...`."""
+    return any(Path(arg).name == "peerd" for arg in cmdline[:3])
 
 
 class LoadMeter:
-    """Fraction of the machine's CPU (0..1) used by processes other than this daemon,
-    averaged since the previous reading."""
+    """Fraction (0..1) of the cores this daemon may run on used by processes other than
+    peerd's, averaged since the previous reading."""
 
     def __init__(self, sample: Callable[[], CpuSample] = sample_cpu, cpus: int | None = None):
         self._sample = sample
-        self._cpus = cpus or psutil.cpu_count() or 1
+        self._cpus = cpus or len(_cores())
         self._last = sample()
 
     def read(self) -> float:
@@ -84,7 +113,8 @@ class LoadMeter:
         wall = now.wall_s - last.wall_s
         if wall <= 0:
             return 0.0
-        others = (now.busy_s - last.busy_s) - (now.own_s - last.own_s)
+        peerd = sum(s - last.peerd_s.get(pid, 0.0) for pid, s in now.peerd_s.items())
+        others = (now.busy_s - last.busy_s) - peerd
         return min(1.0, max(0.0, others / (wall * self._cpus)))
 
 

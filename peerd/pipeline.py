@@ -56,7 +56,12 @@ class StepDone:
 
 class StageWorker:
     def __init__(
-        self, stage: int, executor: StageExecutor, routes: StageRoutes, fp16_wire: bool = False
+        self,
+        stage: int,
+        executor: StageExecutor,
+        routes: StageRoutes,
+        fp16_wire: bool = False,
+        plan: str = "local",
     ) -> None:
         if len(routes.returns) > 1:
             raise ValueError(f"stage {stage} returns {routes.returns}; expected only the logits")
@@ -64,6 +69,7 @@ class StageWorker:
         self.executor = executor
         self.routes = routes
         self.fp16_wire = fp16_wire
+        self.plan = plan  # stamped on every message, see StageData.plan
         self.counters = StageCounters()
         self._pending: dict[tuple[str, int], dict[int, Tensors]] = {}
 
@@ -114,7 +120,8 @@ class StageWorker:
             self.counters.residual_bytes += size
             by_target = self.counters.residual_bytes_by_target
             by_target[route.target] = by_target.get(route.target, 0) + size
-        return Outgoing(route.target, StageData(seq_id=seq_id, step=step, tensors=tensors))
+        message = StageData(plan=self.plan, seq_id=seq_id, step=step, tensors=tensors)
+        return Outgoing(route.target, message)
 
     def _wire(self, array: np.ndarray) -> np.ndarray:
         if self.fp16_wire and array.dtype == np.float32:
@@ -128,14 +135,17 @@ class TokenSampler:
     def __init__(self) -> None:
         self._samplers: dict[str, Sampler] = {}
 
-    def open(self, seq_id: str, params: SamplingParams) -> None:
-        self._samplers[seq_id] = Sampler(params)
+    def open(self, seq_id: str, params: SamplingParams, skip: int = 0) -> None:
+        self._samplers[seq_id] = Sampler(params, skip)
 
     def sample(self, seq_id: str, logits: np.ndarray) -> int:
         return self._samplers[seq_id](logits[0, -1])
 
     def close(self, seq_id: str) -> None:
         self._samplers.pop(seq_id, None)
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._samplers
 
 
 @dataclass

@@ -36,6 +36,7 @@ MAX_TENSORS = 4096
 MAX_RANK = 8
 
 MAX_PROBE_BYTES = 64 * 1024 * 1024
+MAX_SKIP = 1 << 20  # tokens a resumed sequence may skip: far above any answer's length
 CONTROL, DATA, HELLO = "control", "data", "hello"
 CHANNELS = (CONTROL, DATA, HELLO)
 
@@ -85,11 +86,14 @@ class StageData:
     ``tensors`` maps manifest output names to arrays: the sequential input of the receiving
     stage, or the residual outputs it consumes. ``step`` counts forward passes of the sequence
     (0 is the prefill), so a receiver can pair residuals with the sequential input of the same
-    step.
+    step. ``plan`` names the plan the sender runs it under (``plan_key``): during a plan
+    change both plans serve at once, and a message of a retired plan must not start a
+    sequence on the new one.
     """
 
     KIND: ClassVar[str]
     CHANNEL: ClassVar[str]
+    plan: str
     seq_id: str
     step: int
     tensors: Tensors
@@ -99,16 +103,26 @@ class StageData:
 @dataclasses.dataclass(frozen=True)
 class SequenceOpen:
     """The head asks the last stage to sample a new sequence with these settings; the answer
-    (``SequenceOpened``) comes before the head runs the sequence's first step."""
+    (``SequenceOpened``) comes before the head runs the sequence's first step. ``skip`` is
+    the number of tokens already sampled for this answer (a resumed answer continues the
+    seeded random stream where it stopped)."""
 
     KIND: ClassVar[str]
     CHANNEL: ClassVar[str]
     req: int
+    plan: str
     seq_id: str
     temperature: float
     top_k: int
     top_p: float
     seed: int
+    skip: int
+
+    def __post_init__(self):
+        # The last stage seeds a random stream with these: a negative seed or an enormous
+        # skip would raise there, or allocate the skipped draws, instead of being refused.
+        _require(self.seed >= 0, "seq-open: negative seed")
+        _require(0 <= self.skip <= MAX_SKIP, f"seq-open: skip outside 0..{MAX_SKIP}")
 
 
 @message("seq-opened", channel=DATA)
@@ -140,6 +154,35 @@ class SequenceDrop:
     KIND: ClassVar[str]
     CHANNEL: ClassVar[str]
     seq_id: str
+
+
+@message("seq-stats-ask", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceStatsRequest:
+    """The head, as an answer ends, asks each stage what the sequence cost it."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    seq_id: str
+
+
+@message("seq-stats", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceStats:
+    """One stage's work on one sequence: steps run, seconds computing its units, seconds
+    handing its outputs to the transport, bytes sent to the next stage (sequential) and to
+    later stages (residual), and whether it sends float16 activations."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    steps: int
+    compute_s: float
+    transfer_s: float
+    sequential_bytes: int
+    residual_bytes: int
+    fp16_wire: bool
 
 
 @message("chat", channel=DATA)
@@ -287,7 +330,8 @@ class Battery:
 @dataclasses.dataclass(frozen=True)
 class PeerFigures:
     """One peer's measurements: FLOP/s on the calibration unit, memory (capped by its
-    --memory-budget), CPU load of other processes (0..1), battery, model and loaded units."""
+    --memory-budget), CPU load of other processes (0..1), battery, model, loaded units and
+    the plan they belong to, and the measured time per step of its stage."""
 
     id: str
     flops: float
@@ -297,6 +341,8 @@ class PeerFigures:
     battery: Battery | None
     model: str | None
     units: tuple[int, ...]
+    plan: str | None = None  # the plan (its key) whose units are loaded, once ready
+    stage_s: float | None = None  # recent seconds per step of this peer's stage
 
     def __post_init__(self):
         _require(self.flops >= 0, "figures: negative flops")
@@ -534,6 +580,11 @@ class PlanAssignment:
         _require(len({s.peer for s in self.stages}) == len(self.stages),
                  "plan: a peer holds two stages")
 
+    @property
+    def key(self) -> str:
+        """The plan's name on the data plane (``StageData.plan``): unique across leaders."""
+        return f"{self.epoch}.{self.plan_id}"
+
 
 @message("deploy-report")
 @dataclasses.dataclass(frozen=True)
@@ -715,7 +766,8 @@ def _unpack_header(buffer: memoryview) -> dict:
         raise ProtocolError(f"header is not msgpack: {type(exc).__name__}") from None
     if not isinstance(header, dict):
         raise ProtocolError("header is not a map")
-    if header.pop("v", None) != PROTOCOL_VERSION:
+    version = header.pop("v", None)
+    if type(version) is not int or version != PROTOCOL_VERSION:  # True == 1 == 1.0
         raise ProtocolError(f"not protocol version {PROTOCOL_VERSION}")
     return header
 
@@ -731,6 +783,10 @@ def _decode_tensors(specs: Any, buffers: list[memoryview]) -> Tensors:
         if name in tensors:
             raise ProtocolError(f"tensor {name!r} sent twice")
         itemsize = np.dtype(dtype).itemsize
+        # Bounded with zero dimensions counted as one: numpy refuses an empty array whose
+        # other dimensions overflow, with a plain ValueError.
+        if math.prod(max(d, 1) for d in shape) * itemsize > MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"tensor {name!r}: shape {list(shape)} is too large")
         if math.prod(shape) * itemsize != len(buffer):
             raise ProtocolError(
                 f"tensor {name!r}: {len(buffer)} bytes do not fit {dtype}{list(shape)}"

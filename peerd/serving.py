@@ -2,10 +2,18 @@
 
 The head (the peer holding unit 0 and the tokenizer) turns a chat request into prompt ids
 (the chat template for `messages`, or `prompt_ids` as given), runs it through its
-`DataPlane`, and streams one event per token, then a `done` event with the token ids, the
-text and the answer's statistics. A request typed on any other peer's socket is forwarded
-to the head (`ChatRequest`) and its events relayed back (`ChatEvent`); if that client goes
-away the head is told (`ChatCancel`) and the answer ends on every peer.
+`Answers` (peerd/answers.py), and streams one event per token, then a `done` event with
+the token ids, the text and the answer's statistics. A request typed on any other peer's
+socket is forwarded to the head (`ChatRequest`) and its events relayed back (`ChatEvent`);
+if that client goes away the head is told (`ChatCancel`) and the answer ends on every peer.
+If the head itself goes away mid-answer, the forwarding peer asks the next head to resume
+it: the same request with the tokens already streamed (`resume_ids`), which the new head
+re-prefills and continues from.
+
+`Serving` keeps one `DataPlane` per plan this peer has loaded a stage of. A new plan's plane
+is built as soon as its units are loaded, while the old one keeps answering; once the
+leader's report shows every stage of the new plan loaded, the head moves its answers over
+and every peer retires the older planes (peerd/answers.py says how answers move).
 """
 
 from __future__ import annotations
@@ -21,16 +29,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from peerd.dataplane import DataPlane, GenerationError, Limits, Request
+from peerd.answers import Answered, Answers, Request
+from peerd.dataplane import DataPlane, GenerationError, Limits
 from peerd.deploy import LoadedStage
 from peerd.errors import PeerdError
+from peerd.planning import context_for
 from peerd.protocol import (
     ChatCancel,
     ChatEvent,
     ChatRequest,
     PeerFigures,
     PlanAssignment,
-    PlanStage,
 )
 from peerd.transport import Transport, TransportError
 from shards.errors import ModelError
@@ -54,15 +63,20 @@ class ChatBody:
 
     prompt_ids: list[int] | None
     messages: list[dict[str, str]] | None
+    prompt: str | None  # plain text, encoded without the chat template
     max_tokens: int
     params: SamplingParams
+    produced: tuple[int, ...] = ()  # resume_ids: tokens an earlier head already streamed
 
 
 def parse_chat(request: dict[str, Any]) -> ChatBody:
     """The chat request in `request`, or PeerdError naming what is wrong with it."""
     prompt_ids, messages = request.get("prompt_ids"), request.get("messages")
-    if (prompt_ids is None) == (messages is None):
-        raise PeerdError('a chat needs exactly one of "prompt_ids" and "messages"')
+    prompt = request.get("prompt")
+    if [prompt_ids, messages, prompt].count(None) != 2:
+        raise PeerdError('a chat needs exactly one of "prompt_ids", "messages" and "prompt"')
+    if prompt is not None and not (isinstance(prompt, str) and prompt):
+        raise PeerdError('"prompt" must be a non-empty string')
     if prompt_ids is not None and not (
         isinstance(prompt_ids, list) and prompt_ids and all(type(t) is int for t in prompt_ids)
     ):
@@ -89,7 +103,12 @@ def parse_chat(request: dict[str, Any]) -> ChatBody:
         )
     except (TypeError, ValueError) as exc:
         raise PeerdError(f"bad sampling settings: {exc}") from None
-    return ChatBody(prompt_ids, messages, max_tokens, params)
+    produced = request.get("resume_ids", [])
+    if not (isinstance(produced, list) and all(type(t) is int for t in produced)):
+        raise PeerdError('"resume_ids" must be a list of integers')
+    if len(produced) >= max_tokens:
+        raise PeerdError('"resume_ids" must be shorter than "max_tokens"')
+    return ChatBody(prompt_ids, messages, prompt, max_tokens, params, tuple(produced))
 
 
 class TextStream:
@@ -117,12 +136,13 @@ class TextStream:
 
 @dataclass(frozen=True)
 class Head:
-    """What the head needs to answer: its data plane and the model's tokenizer and limits."""
+    """What the head needs to answer: its answers and the model's tokenizer and limits."""
 
-    plane: DataPlane
+    answers: Answers
     tokenizer: Tokenizer | None
     stop_ids: frozenset[int]
     max_positions: int
+    model_key: str = ""
 
 
 class ChatService:
@@ -130,6 +150,8 @@ class ChatService:
         self.transport = transport
         self.head: Head | None = None  # set on the head peer while a plan is deployed
         self.head_peer: str | None = None  # where to forward chats typed here
+        self.problem: str | None = None  # why no plan serves, when the leader says so
+        self.head_changed = asyncio.Event()  # set (and replaced) when head_peer or problem change
         self._forwarded: dict[str, asyncio.Task] = {}  # on the head: chats asked by peers
         self._asked: dict[str, asyncio.Queue] = {}  # here: events of chats we forwarded
 
@@ -141,7 +163,7 @@ class ChatService:
         elif self.head_peer is not None:
             await self._forward({k: v for k, v in request.items() if k != "op"}, send)
         else:
-            raise PeerdError("no model is deployed yet (see peerd status)")
+            raise PeerdError(self.problem or "no model is deployed yet (see peerd status)")
 
     async def answer(self, body: ChatBody, send: Send) -> None:
         """Answer on this peer, the head; streams token events, then the done event."""
@@ -150,6 +172,8 @@ class ChatService:
             raise PeerdError("this peer is no longer the head; ask again")
         prompt = self._prompt_ids(head, body)
         text = TextStream(head.tokenizer)
+        for token in body.produced:
+            text.add(token)
         events: asyncio.Queue = asyncio.Queue()
         token_times: list[float] = []
         started = time.perf_counter()
@@ -158,26 +182,30 @@ class ChatService:
             token_times.append(time.perf_counter())
             events.put_nowait({"event": "token", "token": token, "text": text.add(token)})
 
-        request = Request(prompt, body.params, body.max_tokens, head.stop_ids)
-        generation = asyncio.create_task(head.plane.generate(request, on_token))
+        request = Request(prompt, body.params, body.max_tokens, head.stop_ids, body.produced)
+        generation = asyncio.create_task(head.answers.generate(request, on_token))
         generation.add_done_callback(lambda _: events.put_nowait(None))
         try:
             while (event := await events.get()) is not None:
                 await send(event)
-            tokens = generation.result()
+            answered = generation.result()
         except GenerationError as exc:
             raise PeerdError(str(exc)) from None
         finally:
             generation.cancel()
-        stats = _stats(head.plane, len(prompt), started, token_times)
-        await send({"event": "done", "ok": True, "token_ids": tokens, "text": text.text,
-                    "stats": stats})
+        stats = _stats(answered, len(prompt), started, token_times)
+        await send({"event": "done", "ok": True, "token_ids": answered.tokens,
+                    "text": text.text, "stats": stats})
 
     def _prompt_ids(self, head: Head, body: ChatBody) -> list[int]:
         if body.prompt_ids is not None:
             prompt = body.prompt_ids
         elif head.tokenizer is None:
             raise PeerdError("this model has no tokenizer: send prompt_ids")
+        elif body.prompt is not None:
+            prompt = head.tokenizer.encode(body.prompt)
+            if not prompt:
+                raise PeerdError("the prompt encodes to no tokens")
         else:
             try:
                 prompt = head.tokenizer.conversation_ids(body.messages)
@@ -191,29 +219,74 @@ class ChatService:
         return prompt
 
     # -- forwarding --------------------------------------------------------------------------
+    def set_head_peer(self, peer: str | None, problem: str | None = None) -> None:
+        """Where chats typed here go from now on (None: nowhere, `problem` says why)."""
+        if (peer, problem) != (self.head_peer, self.problem):
+            self.head_peer, self.problem = peer, problem
+            self.head_changed.set()
+            self.head_changed = asyncio.Event()
+
     async def _forward(self, body: dict[str, Any], send: Send) -> None:
+        """Relay the head's answer; if the head changes mid-answer, resume on the next one."""
+        streamed: list[int] = []
+        while True:
+            head = self.head_peer
+            if head is None:
+                raise PeerdError(self.problem or "the head went away and no plan replaced it")
+            asked = {**body, "resume_ids": list(streamed)} if streamed else body
+            if self.head is not None:  # this peer became the head
+                await self.answer(parse_chat(asked), send)
+                return
+            if await self._ask_head(head, asked, send, streamed):
+                return
+            log.info("the head moved from %s to %s; resuming after %d tokens", head,
+                     self.head_peer, len(streamed))
+
+    async def _ask_head(self, head: str, body: dict[str, Any], send: Send,
+                        streamed: list[int]) -> bool:
+        """Relay one head's events; False when that head was replaced before the answer
+        ended (the tokens relayed so far are in `streamed`)."""
         chat_id = uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
         self._asked[chat_id] = queue
         finished = False
         try:
             try:
-                await self.transport.deliver(
-                    self.head_peer, ChatRequest(chat_id, body), RELAY_TIMEOUT_S
-                )
+                await self.transport.deliver(head, ChatRequest(chat_id, body), RELAY_TIMEOUT_S)
             except TransportError as exc:
                 raise PeerdError(f"cannot reach the head: {exc}") from None
             while not finished:
-                try:
-                    event = await asyncio.wait_for(queue.get(), HEAD_SILENCE_S)
-                except TimeoutError:
-                    raise PeerdError(f"the head sent nothing for {HEAD_SILENCE_S:.0f}s") from None
+                event = await self._next_event(queue, head)
+                if event is None:
+                    return False
                 finished = event.get("event") == "done" or event.get("ok") is False
+                if event.get("event") == "token":
+                    streamed.append(event["token"])
                 await send(event)
+            return True
         finally:
             self._asked.pop(chat_id, None)
             if not finished:
-                self.transport.send(self.head_peer, ChatCancel(chat_id))
+                self.transport.send(head, ChatCancel(chat_id))
+
+    async def _next_event(self, queue: asyncio.Queue, head: str) -> dict[str, Any] | None:
+        """The head's next event, or None once another head replaced it."""
+        deadline = time.monotonic() + HEAD_SILENCE_S
+        while self.head_peer == head:
+            changed = asyncio.ensure_future(self.head_changed.wait())
+            get = asyncio.ensure_future(queue.get())
+            left = deadline - time.monotonic()
+            await asyncio.wait({changed, get}, timeout=max(left, 0),
+                               return_when=asyncio.FIRST_COMPLETED)
+            changed.cancel()
+            if get.done():
+                return get.result()
+            get.cancel()
+            if time.monotonic() >= deadline:
+                raise PeerdError(f"the head sent nothing for {HEAD_SILENCE_S:.0f}s")
+        if self.head_peer is None:
+            raise PeerdError(self.problem or "the head went away and no plan replaced it")
+        return None
 
     def handle(self, sender: str, message: Any) -> None:
         """A chat message from peer `sender`."""
@@ -253,107 +326,172 @@ class ChatService:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _stats(plane: DataPlane, prompt_tokens: int, started: float, times: list[float]) -> dict:
+def _stats(answered: Answered, prompt_tokens: int, started: float, times: list[float]) -> dict:
     decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
-    counters = plane.worker.counters
+    stages = [
+        {"stage": index, **{k: v for k, v in dataclasses.asdict(cost).items() if k != "req"}}
+        for index, cost in enumerate(answered.stages)
+    ]
     return {
         "prompt_tokens": prompt_tokens,
         "generated_tokens": len(times),
         "time_to_first_token_s": round(times[0] - started, 6) if times else None,
         "tokens_per_second": round((len(times) - 1) / decode_s, 3) if decode_s else None,
         "total_s": round(time.perf_counter() - started, 6),
-        "stages": len(plane.peers),
-        "fp16_wire": plane.worker.fp16_wire,
-        "head_compute_s": round(counters.compute_s, 6),
+        "resumed": answered.resumed,
+        "fp16_wire": any(stage["fp16_wire"] for stage in stages),
+        "sequential_bytes": sum(stage["sequential_bytes"] for stage in stages),
+        "residual_bytes": sum(stage["residual_bytes"] for stage in stages),
+        "stages": stages,
     }
 
 
-def plan_active(
-    stages: tuple[PlanStage, ...], figures: tuple[PeerFigures, ...] | None
-) -> bool:
-    """Whether the leader's latest report shows every stage peer with exactly its units."""
-    if not stages or figures is None:
+def plane_of(planes: dict[str, DataPlane], message: Any) -> DataPlane | None:
+    """The plane a data message belongs to: the one its plan names, else the one that runs
+    its sequence, else the newest."""
+    plan = getattr(message, "plan", None)
+    if plan is not None:
+        return planes.get(plan)
+    seq_id = getattr(message, "seq_id", None)
+    owner = next((p for p in planes.values() if p.owns(seq_id)), None)
+    return owner or next(reversed(planes.values()), None)
+
+
+def plan_active(plan: PlanAssignment | None, figures: tuple[PeerFigures, ...] | None) -> bool:
+    """Whether the leader's latest report shows every stage peer ready with this plan."""
+    if plan is None or not plan.stages or figures is None:
         return False
-    loaded = {f.id: f.units for f in figures}
-    return all(loaded.get(s.peer) == tuple(range(s.first, s.last + 1)) for s in stages)
+    ready = {f.id: f.plan for f in figures}
+    return all(ready.get(stage.peer) == plan.key for stage in plan.stages)
 
 
 class Serving:
-    """The data plane and chat service of whatever plan this peer has deployed.
-
-    The plane is rebuilt when the plan or the loaded executor changes (answers running on
-    the old plane end with an error the client sees); the head accepts chats once the
-    leader's report shows every stage loaded.
-    """
+    """The data planes and chat service of the plans this peer has a stage in."""
 
     def __init__(self, me: str, transport: Transport, model_dir: Path | None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, fp16_wire: bool = False) -> None:
         self.me = me
         self.transport = transport
         self.model_dir = model_dir
         self.limits = limits or Limits()
+        self.fp16_wire = fp16_wire
         self.chat = ChatService(transport)
-        self.plane: DataPlane | None = None
-        self._built_for: tuple | None = None
+        self.answers = Answers(self.limits)
+        self.planes: dict[str, DataPlane] = {}  # by plan key, oldest first
+        self._tokenizer: tuple[Path, Tokenizer | None] | None = None
         self._retired: set[asyncio.Task] = set()
+        self._stage_mark: tuple[str, int, float] | None = None
+        self._stage_s: float | None = None
+
+    @property
+    def plane(self) -> DataPlane | None:
+        """The newest plane."""
+        return next(reversed(self.planes.values()), None)
 
     def refresh(self, plan: PlanAssignment | None, loaded: LoadedStage | None,
                 figures: tuple[PeerFigures, ...] | None) -> None:
-        stages = plan.stages if plan else ()
-        key = (plan.epoch, plan.plan_id, id(loaded.executor)) if plan and loaded else None
-        if key != self._built_for:
-            self._retire()
-            if key is not None:
-                ring = [(s.peer, s.first, s.last) for s in stages]
-                self.plane = DataPlane(self.me, self.transport, ring, loaded.manifest,
-                                       loaded.executor, limits=self.limits)
-            self._built_for = key
-        active = plan_active(stages, figures)
-        self.chat.head_peer = stages[0].peer if active else None
-        if active and self.plane is not None and self.plane.is_head:
-            if self.chat.head is None or self.chat.head.plane is not self.plane:
-                self.chat.head = self._head(self.plane, loaded.manifest)
+        if plan is None:
+            return
+        if not plan.stages:
+            self._retire_all_but(None)
+            self.chat.head = None
+            self.chat.set_head_peer(None, plan.problem)
+            self.answers.use(None, problem=plan.problem)
+            return
+        plane = self._plane_for(plan, loaded)
+        if not plan_active(plan, figures):
+            return  # the older plans keep answering until this one is ready everywhere
+        self.chat.set_head_peer(plan.stages[0].peer)
+        if plane is not None and plane.is_head:
+            self.answers.use(plane, context_for(loaded.manifest))
+            if self.chat.head is None or self.chat.head.model_key != loaded.manifest.key:
+                self.chat.head = self._head(loaded.manifest)
         else:
             self.chat.head = None
+            self.answers.use(None, problem=f"the head moved to peer {plan.stages[0].peer}; "
+                             "ask again")
+        self._retire_all_but(plane)
 
-    def _head(self, plane: DataPlane, manifest: Manifest) -> Head:
-        tokenizer = None
-        if self.model_dir is not None and (self.model_dir / "tokenizer.json").is_file():
-            tokenizer = Tokenizer.from_dir(self.model_dir)
+    def _plane_for(self, plan: PlanAssignment, loaded: LoadedStage | None) -> DataPlane | None:
+        """This peer's plane of `plan`, built once its stage's units are loaded."""
+        if plan.key in self.planes:
+            return self.planes[plan.key]
+        stage = next((s for s in plan.stages if s.peer == self.me), None)
+        if stage is None or loaded is None or (loaded.first, loaded.last) != (
+            stage.first, stage.last
+        ) or loaded.manifest.key != plan.manifest.get("key"):
+            return None
+        ring = [(s.peer, s.first, s.last) for s in plan.stages]
+        plane = DataPlane(self.me, self.transport, ring, loaded.manifest, loaded.executor,
+                          self.fp16_wire, self.limits, plan.key)
+        self.planes[plan.key] = plane
+        return plane
+
+    def _head(self, manifest: Manifest) -> Head:
         model = manifest.model
-        return Head(plane, tokenizer, frozenset(model.eos_token_ids), model.max_positions)
+        return Head(self.answers, self._load_tokenizer(), frozenset(model.eos_token_ids),
+                    model.max_positions, manifest.key)
 
-    def _retire(self) -> None:
-        if self.plane is not None:
-            task = asyncio.get_running_loop().create_task(self.plane.close())
-            self._retired.add(task)
-            task.add_done_callback(self._retired.discard)
-        self.plane = None
-        self.chat.head = None
+    def _load_tokenizer(self) -> Tokenizer | None:
+        if self.model_dir is not None and (self.model_dir / "tokenizer.json").is_file():
+            return Tokenizer.from_dir(self.model_dir)
+        return None
+
+    def _retire_all_but(self, keep: DataPlane | None) -> None:
+        for key, plane in list(self.planes.items()):
+            if plane is not keep:
+                del self.planes[key]
+                task = asyncio.get_running_loop().create_task(plane.close())
+                self._retired.add(task)
+                task.add_done_callback(self._retired.discard)
 
     def handle(self, sender: str, message: Any, reply: Callable[[Any], None]) -> None:
         if isinstance(message, (ChatRequest, ChatEvent, ChatCancel)):
             self.chat.handle(sender, message)
-        elif self.plane is not None:
-            self.plane.handle(sender, message, reply)
+            return
+        plane = plane_of(self.planes, message)
+        if plane is not None:
+            plane.handle(sender, message, reply)
         else:
-            log.info("dropped %s from %s: no stage is loaded here", message.KIND, sender)
+            log.info("dropped %s from %s: no plane of it here", message.KIND, sender)
+
+
+    def stage_seconds(self) -> float | None:
+        """Seconds per step of this peer's stage since the last call (the last figure when
+        no step ran since); None before any."""
+        plane = self.plane
+        if plane is None:
+            return None
+        counters = plane.worker.counters
+        mark = (plane.plan, counters.steps, counters.compute_s)
+        last = self._stage_mark
+        if last is not None and last[0] == mark[0] and mark[1] > last[1]:
+            self._stage_s = (mark[2] - last[2]) / (mark[1] - last[1])
+        elif (last is None or last[0] != mark[0]) and mark[1]:
+            self._stage_s = mark[2] / mark[1]
+        self._stage_mark = mark
+        return self._stage_s
 
     def status(self) -> dict[str, Any]:
         """What `peerd status` shows of the data plane on this peer."""
-        if self.plane is None:
-            return {"stage": None, "sequences": 0, "kv_bytes": 0}
-        counters = self.plane.worker.counters
-        executor = self.plane.worker.executor
+        plane = self.plane
+        answers = self.answers.status()
+        if plane is None:
+            return {"stage": None, "plans": [], "sequences": 0, "kv_bytes": 0, **answers}
+        counters = plane.worker.counters
+        executors = {id(p.worker.executor): p.worker.executor for p in self.planes.values()}
         return {
-            "stage": self.plane.stage,
+            "stage": plane.stage,
+            "plan": plane.plan,
+            "plans": list(self.planes),
             "head": self.chat.head is not None,
-            "sequences": executor.sequence_count,
-            "kv_bytes": executor.kv_bytes(),
+            "sequences": sum(e.sequence_count for e in executors.values()),
+            "kv_bytes": sum(e.kv_bytes() for e in executors.values()),
+            **answers,
             **dataclasses.asdict(counters),
         }
 
     async def close(self) -> None:
         await self.chat.close()
-        self._retire()
+        self._retire_all_but(None)
         await asyncio.gather(*self._retired, return_exceptions=True)

@@ -35,9 +35,13 @@ class SamplingParams:
 class Sampler:
     """Picks token ids for one sequence."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, skip: int = 0) -> None:
+        """`skip`: tokens this sequence already sampled, whose draws the stream passes over
+        (an answer resumed on another plan continues the stream where it stopped)."""
         self.params = params
         self._rng = np.random.Generator(np.random.PCG64(params.seed))
+        if not params.greedy and skip:
+            self._rng.random(skip)
 
     def __call__(self, logits: np.ndarray) -> int:
         """The next token id from a `[vocab]` row of logits."""

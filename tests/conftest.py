@@ -38,3 +38,20 @@ def toy(tmp_path_factory: pytest.TempPathFactory):
     directory = tmp_path_factory.mktemp("toy")
     model = ToyModel()
     return model, write_toy(directory, model), directory
+
+
+@pytest.fixture(scope="session")
+def long_answers(hf_checkpoint, tmp_path_factory):
+    """A 4-layer llama without an end-of-sequence token (every answer runs its full length)
+    and 2048 positions (a plan's K/V reserve holds four long answers at once), a directory
+    for clusters, four prompts and their reference answers (tests/streaming.py)."""
+    from sharding import reference
+    from streaming import NEW_TOKENS, PROMPTS
+
+    model_dir = hf_checkpoint("llama", layers=4, max_position_embeddings=2048,
+                              eos_token_id=None)
+    root = tmp_path_factory.mktemp("survival")
+    expected = {tuple(p): reference(model_dir, tuple(p), NEW_TOKENS, stop_at_eos=True)[0]
+                for p in PROMPTS}
+    assert all(len(answer) == NEW_TOKENS for answer in expected.values())
+    return model_dir, root, expected, PROMPTS

@@ -1,5 +1,5 @@
 """Three peers on real CURVE transports over loopback, each running one stage of the toy
-units (tests/toy_units.py) with a DataPlane and a ChatService, like daemons in a plan."""
+units (tests/toy_units.py) with DataPlanes and a ChatService, like daemons in a plan."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from toy_units import ToyModel
 from waiting import answered
 
 from peerd import protocol
+from peerd.answers import Answers
 from peerd.dataplane import DataPlane, Limits
 from peerd.identity import ClusterSecret, KeyPair
-from peerd.serving import ChatService, Head
+from peerd.serving import ChatService, Head, plane_of
 from peerd.transport import Endpoint, Transport
 from shards.executor import StageExecutor
 
@@ -24,14 +25,22 @@ CHAT_MESSAGES = (protocol.ChatRequest, protocol.ChatEvent, protocol.ChatCancel)
 
 
 class Peer:
-    def __init__(self, peer_id: str):
+    def __init__(self, peer_id: str, limits: Limits, fp16_wire: bool = False):
         self.id = peer_id
         self.keys = KeyPair.generate()
         self.transport = Transport(self.keys, SECRET, self._handle, HOST)
         self.ports = self.transport.start()
-        self.plane: DataPlane | None = None
+        self.limits = limits
+        self.fp16_wire = fp16_wire
+        self.planes: dict[str, DataPlane] = {}
+        self.executor: StageExecutor | None = None
+        self.answers = Answers(limits)
         self.chat = ChatService(self.transport)
         self.names: dict[str, str] = {}
+
+    @property
+    def plane(self) -> DataPlane:
+        return next(reversed(self.planes.values()))
 
     def _handle(self, incoming) -> None:
         msg, sender = incoming.msg, self.names[incoming.sender_key]
@@ -40,15 +49,25 @@ class Peer:
         elif isinstance(msg, CHAT_MESSAGES):
             self.chat.handle(sender, msg)
         else:
-            self.plane.handle(sender, msg, incoming.reply)
+            plane_of(self.planes, msg).handle(sender, msg, incoming.reply)
 
     def endpoint(self) -> Endpoint:
         return Endpoint(HOST, self.ports.control, self.ports.data, self.keys.public)
 
+    def add_plane(self, plan: str, manifest, stages=STAGES) -> DataPlane:
+        plane = DataPlane(self.id, self.transport, stages, manifest, self.executor,
+                          self.fp16_wire, self.limits, plan)
+        self.planes[plan] = plane
+        return plane
+
+    async def retire(self, plan: str) -> None:
+        await self.planes.pop(plan).close()
+
 
 @contextlib.asynccontextmanager
-async def running_ring(manifest, unit_dir, limits: Limits, max_positions: int = 64):
-    peers = [Peer(peer_id) for peer_id, _, _ in STAGES]
+async def running_ring(manifest, unit_dir, limits: Limits, max_positions: int = 64,
+                       fp16_wire: bool = False):
+    peers = [Peer(peer_id, limits, fp16_wire) for peer_id, _, _ in STAGES]
     for peer in peers:
         for other in peers:
             if other is not peer:
@@ -56,10 +75,11 @@ async def running_ring(manifest, unit_dir, limits: Limits, max_positions: int = 
                 peer.transport.connect(other.id, other.endpoint())
                 peer.names[other.keys.public] = other.id
     for peer, (_, first, last) in zip(peers, STAGES, strict=True):
-        executor = StageExecutor(manifest, unit_dir, first, last)
-        peer.plane = DataPlane(peer.id, peer.transport, STAGES, manifest, executor, limits=limits)
+        peer.executor = StageExecutor(manifest, unit_dir, first, last)
+        peer.add_plane("1.1", manifest)
         peer.chat.head_peer = "a"
-    peers[0].chat.head = Head(peers[0].plane, None, frozenset(), max_positions)
+    peers[0].answers.use(peers[0].plane)
+    peers[0].chat.head = Head(peers[0].answers, None, frozenset(), max_positions)
     await asyncio.gather(
         *(answered(p.transport, o.id) for p in peers for o in peers if o is not p)
     )
@@ -68,7 +88,8 @@ async def running_ring(manifest, unit_dir, limits: Limits, max_positions: int = 
     finally:
         for peer in peers:
             await peer.chat.close()
-            await peer.plane.close()
+            for plan in list(peer.planes):
+                await peer.retire(plan)
             await peer.transport.close()
 
 

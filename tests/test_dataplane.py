@@ -9,7 +9,8 @@ from ring import reference, running_ring
 from waiting import eventually
 
 from peerd import protocol
-from peerd.dataplane import Busy, GenerationError, Limits, Request
+from peerd.answers import Busy, Request
+from peerd.dataplane import GenerationError, Limits
 from shards.sampling import SamplingParams
 
 PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 0], [3, 3], [2], [7, 1], [9, 9, 9]]
@@ -29,7 +30,7 @@ def _request(prompt, max_tokens=10, **sampling) -> Request:
 
 async def test_eight_concurrent_generations_are_exact_and_free_their_state(toy, ring):
     model = toy[0]
-    head = ring[0].plane
+    head = ring[0].answers
     streamed = {i: [] for i in range(len(PROMPTS))}
     results = await asyncio.wait_for(
         asyncio.gather(
@@ -38,14 +39,15 @@ async def test_eight_concurrent_generations_are_exact_and_free_their_state(toy, 
         timeout=30,
     )
     for i, prompt in enumerate(PROMPTS):
-        assert results[i] == streamed[i] == reference(model, prompt, 10)
+        assert results[i].tokens == streamed[i] == reference(model, prompt, 10)
+        assert [s.steps for s in results[i].stages] == [10, 10, 10]
     await eventually(
         lambda: all(p.plane.worker.executor.sequence_count == 0 for p in ring), "K/V freed"
     )
 
 
 async def test_residuals_reach_only_the_stage_that_consumes_them(ring):
-    await ring[0].plane.generate(_request([1, 2, 3], max_tokens=4), lambda t: None)
+    await ring[0].answers.generate(_request([1, 2, 3], max_tokens=4), lambda t: None)
     head, middle, last = (p.plane.worker.counters for p in ring)
     assert set(head.residual_bytes_by_target) == {2}
     assert middle.residual_bytes == 0 and last.residual_bytes == 0
@@ -56,7 +58,7 @@ async def test_residuals_reach_only_the_stage_that_consumes_them(ring):
 
 async def test_cancelling_one_answer_leaves_the_others_exact_and_frees_its_state(toy, ring):
     model = toy[0]
-    head = ring[0].plane
+    head = ring[0].answers
     first_token = asyncio.Event()
     victim = asyncio.create_task(
         head.generate(_request([4, 4], max_tokens=10_000), lambda t: first_token.set())
@@ -67,19 +69,19 @@ async def test_cancelling_one_answer_leaves_the_others_exact_and_frees_its_state
     with contextlib.suppress(asyncio.CancelledError):
         await victim
     results = await asyncio.wait_for(asyncio.gather(*others), 30)
-    assert results == [reference(model, p, 10) for p in PROMPTS[:3]]
+    assert [r.tokens for r in results] == [reference(model, p, 10) for p in PROMPTS[:3]]
     await eventually(
         lambda: all(p.plane.worker.executor.sequence_count == 0 for p in ring), "K/V freed"
     )
 
 
 async def test_beyond_the_waiting_line_requests_are_refused_as_busy(ring):
-    head = ring[0].plane
+    head = ring[0].answers
     long = [
         asyncio.create_task(head.generate(_request([1], max_tokens=200), lambda t: None))
         for _ in range(8 + 2)
     ]
-    await eventually(lambda: head._waiting == 2, "two waiting")
+    await eventually(lambda: head.status()["waiting"] == 2, "two waiting")
     with pytest.raises(Busy, match="busy"):
         await head.generate(_request([1]), lambda t: None)
     for task in long:
@@ -88,10 +90,11 @@ async def test_beyond_the_waiting_line_requests_are_refused_as_busy(ring):
 
 
 async def test_a_sequence_open_with_bad_settings_is_answered_with_the_reason(ring):
-    bad = protocol.SequenceOpen(0, "s", temperature=1.0, top_k=0, top_p=0.0, seed=0)
+    bad = protocol.SequenceOpen(0, "1.1", "s", temperature=1.0, top_k=0, top_p=0.0, seed=0,
+                                skip=0)
     answer = await ring[0].transport.request("c", bad, 5)
     assert "top-p" in answer.error
-    wrong_stage = protocol.SequenceOpen(0, "s", 0.0, 0, 1.0, 0)
+    wrong_stage = protocol.SequenceOpen(0, "1.1", "s", 0.0, 0, 1.0, 0, 0)
     answer = await ring[0].transport.request("b", wrong_stage, 5)
     assert answer.error == "stage 1 does not sample"
 
@@ -105,4 +108,64 @@ async def test_a_stage_that_cannot_run_a_step_fails_the_answer_with_the_reason(r
 
     monkeypatch.setattr(executor, "step", wrong_shape)
     with pytest.raises(GenerationError, match="stage 1, step 0: .*hidden0"):
-        await asyncio.wait_for(ring[0].plane.generate(_request([1]), lambda t: None), 10)
+        await asyncio.wait_for(ring[0].answers.generate(_request([1]), lambda t: None), 10)
+
+
+async def _after_tokens(head, request, count: int):
+    """Start an answer; return its task once it has streamed `count` tokens."""
+    seen = asyncio.Event()
+    tokens: list[int] = []
+
+    def on_token(token: int) -> None:
+        tokens.append(token)
+        if len(tokens) >= count:
+            seen.set()
+
+    task = asyncio.create_task(head.generate(request, on_token))
+    await asyncio.wait_for(seen.wait(), 10)
+    return task, tokens
+
+
+async def test_answers_move_to_a_new_plan_mid_answer_and_stay_exact(toy, ring):
+    model, manifest, _ = toy
+    head = ring[0].answers
+    sampled = _request([5, 1], max_tokens=24, temperature=0.9, top_k=5, seed=7)
+    uninterrupted = (await head.generate(sampled, lambda t: None)).tokens
+    running = [await _after_tokens(head, _request(p, max_tokens=24), 3) for p in PROMPTS[:4]]
+    running.append(await _after_tokens(head, sampled, 3))
+    for peer in ring:
+        peer.add_plane("1.2", manifest)
+    head.use(ring[0].planes["1.2"])
+    for peer in ring:
+        await peer.retire("1.1")
+    results = await asyncio.wait_for(asyncio.gather(*(task for task, _ in running)), 30)
+    for (prompt, result, (_, streamed)) in zip(PROMPTS[:4], results, running, strict=False):
+        assert result.tokens == streamed == reference(model, prompt, 24)
+    assert results[-1].tokens == running[-1][1] == uninterrupted
+    assert all(r.resumed == 1 for r in results)
+    await eventually(lambda: all(p.executor.sequence_count == 0 for p in ring), "K/V freed")
+
+
+async def test_an_answer_waits_for_k_v_room_and_one_too_long_is_refused(ring):
+    head = ring[0].answers
+    head.use(ring[0].plane, kv_tokens=1000)
+    first, _ = await _after_tokens(head, _request([1, 2], max_tokens=900), 1)
+    second = asyncio.create_task(head.generate(_request([3], max_tokens=200), lambda t: None))
+    await eventually(lambda: head.status()["waiting"] == 1, "the second answer waits")
+    assert head.status()["kv_reserved_tokens"] == 902
+    with pytest.raises(GenerationError, match="1001 tokens .* exceed the plan's K/V reserve"):
+        await head.generate(_request([1], max_tokens=1000), lambda t: None)
+    first.cancel()
+    assert len((await asyncio.wait_for(second, 20)).tokens) == 200
+    assert head.status() == {"running": 0, "waiting": 0, "kv_reserved_tokens": 0,
+                             "kv_reserve_tokens": 1000}
+
+
+async def test_answers_without_a_next_plan_end_with_the_leaders_reason(ring):
+    head = ring[0].answers
+    task, _ = await _after_tokens(head, _request([1], max_tokens=500), 2)
+    head.use(None)
+    await ring[0].retire("1.1")
+    head.use(None, problem="model needs 9.1 GB at beta 0.7; usable peers offer 6.3 GB")
+    with pytest.raises(GenerationError, match="model needs 9.1 GB"):
+        await asyncio.wait_for(task, 10)

@@ -1,6 +1,7 @@
 """Local readings: sizes, memory caps, CPU load of other processes, battery."""
 
 import json
+import os
 import time
 
 import pytest
@@ -59,10 +60,10 @@ class FakeCpu:
 
 def test_load_counts_only_other_processes_cpu_time():
     meter = LoadMeter(FakeCpu(
-        CpuSample(busy_s=100.0, own_s=10.0, wall_s=0.0),
-        CpuSample(busy_s=103.0, own_s=11.0, wall_s=2.0),  # 3 s busy, 1 of them ours
-        CpuSample(busy_s=103.5, own_s=11.5, wall_s=3.0),  # all of it ours
-        CpuSample(busy_s=110.0, own_s=11.5, wall_s=4.0),  # more than the machine: clamped
+        CpuSample(busy_s=100.0, peerd_s={1: 10.0}, wall_s=0.0),
+        CpuSample(busy_s=103.0, peerd_s={1: 11.0}, wall_s=2.0),  # 3 s busy, 1 of them ours
+        CpuSample(busy_s=103.5, peerd_s={1: 11.5}, wall_s=3.0),  # all of it ours
+        CpuSample(busy_s=110.0, peerd_s={1: 11.5}, wall_s=4.0),  # more than the machine: clamped
     ), cpus=2)
     assert meter.read() == pytest.approx(0.5)
     assert meter.read() == pytest.approx(0.0)
@@ -75,7 +76,7 @@ def test_cpu_samples_see_this_process_working():
     while time.process_time() < deadline:
         pass
     after = sample_cpu()
-    assert after.own_s - before.own_s >= 0.15
+    assert after.peerd_s[os.getpid()] - before.peerd_s[os.getpid()] >= 0.15
     assert after.busy_s - before.busy_s >= 0.15
     assert 0.0 <= LoadMeter().read() <= 1.0
 

@@ -94,9 +94,9 @@ def test_a_message_from_an_unexpected_stage_or_with_wrong_tensors_is_refused(toy
     pipeline = _pipeline(toy, 3)
     last = pipeline.workers[2]
     with pytest.raises(ValueError, match="expects nothing from stage 2"):
-        last.accept(2, StageData("s", 0, {}))
+        last.accept(2, StageData("local", "s", 0, {}))
     with pytest.raises(ValueError, match="sent"):
-        last.accept(1, StageData("s", 0, {"bias": np.zeros((1, 1, 1), np.float32)}))
+        last.accept(1, StageData("local", "s", 0, {"bias": np.zeros((1, 1, 1), np.float32)}))
 
 
 def test_a_restarted_generation_re_prefills_and_continues_exactly(toy):

@@ -11,6 +11,7 @@ from peerd.protocol import ProtocolError, StageData
 def _stage() -> StageData:
     rng = np.random.default_rng(0)
     return StageData(
+        plan="1.1",
         seq_id="s1",
         step=3,
         tensors={
@@ -41,7 +42,7 @@ def test_decoded_tensors_view_the_received_buffers_without_copying():
 
 def test_non_contiguous_arrays_travel_correctly():
     base = np.arange(24, dtype=np.float32).reshape(4, 6)
-    msg = StageData(seq_id="x", step=0, tensors={"t": base[:, ::2]})
+    msg = StageData(plan="1.1", seq_id="x", step=0, tensors={"t": base[:, ::2]})
     back = protocol.decode(protocol.encode(msg))
     np.testing.assert_array_equal(back.tensors["t"], base[:, ::2])
 
@@ -99,6 +100,6 @@ def test_unregistered_types_cannot_be_encoded():
 
 
 def test_tensors_of_unsupported_dtype_cannot_be_sent():
-    msg = StageData(seq_id="x", step=0, tensors={"c": np.zeros(2, dtype=np.complex64)})
+    msg = StageData(plan="1.1", seq_id="x", step=0, tensors={"c": np.zeros(2, dtype=np.complex64)})
     with pytest.raises(TypeError, match="cannot travel"):
         protocol.encode(msg)

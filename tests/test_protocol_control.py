@@ -114,7 +114,7 @@ def test_bandwidth_probe_must_carry_one_uint8_payload():
 
 
 def test_unhashable_dtype_in_a_tensor_spec_is_a_protocol_error():
-    header = _header(protocol.StageData(seq_id="s", step=0, tensors={}))
+    header = _header(protocol.StageData(plan="1.1", seq_id="s", step=0, tensors={}))
     header["tensors"] = [["t", ["float32"], [1]]]
     with pytest.raises(ProtocolError, match="bad name or dtype"):
         _decode_header(header, b"\0" * 4)

@@ -42,7 +42,30 @@ async def test_a_chat_streams_every_token_then_the_exact_answer(toy, ring, asked
     *tokens, done = client.events
     assert [e["token"] for e in tokens] == expected
     assert done["event"] == "done" and done["token_ids"] == expected
-    assert done["stats"]["generated_tokens"] == 9 and done["stats"]["stages"] == 3
+    stats = done["stats"]
+    assert stats["generated_tokens"] == 9 and [s["steps"] for s in stats["stages"]] == [9] * 3
+    head, middle, last = stats["stages"]
+    assert head["sequential_bytes"] > 0 and head["residual_bytes"] > 0
+    assert middle["sequential_bytes"] > 0 and middle["residual_bytes"] == 0
+    assert last["sequential_bytes"] == last["residual_bytes"] == 0
+    assert stats["residual_bytes"] == head["residual_bytes"] and not stats["fp16_wire"]
+    assert all(s["compute_s"] > 0 for s in stats["stages"])
+
+
+async def test_float16_on_the_wire_halves_the_activation_bytes_and_says_so(toy, ring):
+    _, manifest, directory = toy
+    request = {"op": "chat", "prompt_ids": PROMPT, "max_tokens": 5}
+    client = Client()
+    await asyncio.wait_for(ring[0].chat.op_chat(request, client.send), 20)
+    full = client.events[-1]["stats"]
+    async with running_ring(manifest, directory, Limits(send_timeout_s=5.0),
+                            fp16_wire=True) as halves:
+        client = Client()
+        await asyncio.wait_for(halves[0].chat.op_chat(request, client.send), 20)
+    half = client.events[-1]["stats"]
+    assert half["fp16_wire"] and not full["fp16_wire"]
+    assert half["sequential_bytes"] * 2 == full["sequential_bytes"]
+    assert half["residual_bytes"] * 2 == full["residual_bytes"]
 
 
 async def test_a_forwarded_chat_whose_client_leaves_ends_on_every_peer(ring):

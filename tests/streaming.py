@@ -1,0 +1,67 @@
+"""Chats streamed from real daemons' sockets in background threads, and the model set-up
+that the survival and rebalancing tests share: every peer's cache pre-sharded, and answers
+long enough to be interrupted."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import netns
+
+from peerd.client import Connection
+from shards.manifest import Manifest
+
+SHARDED_S, DEPLOYED_S, ANSWER_S = 240, 120, 180
+NEW_TOKENS = 240  # long enough to be mid-answer when a plan changes
+PROMPTS = [[1, 5, 9, 2], [7], [3, 3, 3], [10, 20, 30, 40, 50]]
+
+
+class Answer(threading.Thread):
+    """One chat streamed from a peer's socket: its tokens so far and how it ended."""
+
+    def __init__(self, peer: netns.Peer, prompt: list[int], max_tokens: int = NEW_TOKENS):
+        super().__init__(daemon=True)
+        self.peer, self.prompt, self.max_tokens = peer, prompt, max_tokens
+        self.tokens: list[int] = []
+        self.done: dict | None = None
+        self.error: str | None = None
+        self.ended_at: float | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with Connection(self.peer.state_dir, timeout=ANSWER_S) as connection:
+                connection.send({"op": "chat", "prompt_ids": self.prompt,
+                                 "max_tokens": self.max_tokens})
+                while (event := connection.read()) is not None:
+                    if event.get("event") == "token":
+                        self.tokens.append(event["token"])
+                    elif event.get("event") == "done" or event.get("ok") is False:
+                        self.done, self.error = event, event.get("error")
+                        break
+        except Exception as exc:  # noqa: BLE001 - the test reports whatever ended the answer
+            self.error = f"{type(exc).__name__}: {exc}"
+        self.ended_at = time.monotonic()
+
+
+def shard_into_caches(model_dir: Path, dirs: list[Path]) -> Manifest:
+    done = subprocess.run(
+        [*netns.PEERD, "shard", str(model_dir), "--json"], check=True, capture_output=True,
+        text=True, timeout=SHARDED_S, env={**os.environ, "PEERD_STATE_DIR": str(dirs[0])},
+    )
+    key_dir = Path(json.loads(done.stdout)["directory"])
+    for state_dir in dirs[1:]:
+        shutil.copytree(key_dir, state_dir / "shards" / key_dir.name)
+    return Manifest.load(key_dir)
+
+
+def serving_plan(peers: list[netns.Peer]) -> dict | None:
+    plan = netns.deployed_plan(peers)
+    heads = [(p.status() or {}).get("dataplane", {}).get("head") for p in peers]
+    return plan if plan and any(heads) else None
