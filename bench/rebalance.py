@@ -86,6 +86,8 @@ def run(root: Path, model_dir: Path, rebalance: bool, baseline_s: float, loaded_
     with LocalCluster(root, model_dir, holders=2, cpus=PINS, extra=extra,
                       progress=lambda line: print(line, file=sys.stderr)) as cluster:
         plan = _wait(lambda: _head_plan(cluster), 60)
+        names = {p["id"]: p["name"] for p in cluster.status(0)["peers"]}
+        before = _stages(cluster, names)
         log = TokenLog()
         client = threading.Thread(target=log.run, args=(cluster.dirs[0],), daemon=True)
         client.start()
@@ -103,15 +105,20 @@ def run(root: Path, model_dir: Path, rebalance: bool, baseline_s: float, loaded_
         finally:
             busy.kill()
             log.stop.set()
-        stages = call(cluster.dirs[0], {"op": "status"})["status"]["plan"]["stages"]
+        after = _stages(cluster, names)
         client.join(60)
     return {
         "before": log.rate(started, loaded_at),
         "under_load": log.rate(settled, end),
         "effect_s": effect_s,
         "pause_s": log.longest_gap(loaded_at, settled + 2.0),
-        "stages": [(s["peer"][:6], s["units"][0], s["units"][-1]) for s in stages],
+        "plans": (before, after),
     }
+
+
+def _stages(cluster: LocalCluster, names: dict[str, str]) -> str:
+    stages = call(cluster.dirs[0], {"op": "status"})["status"]["plan"]["stages"]
+    return ", ".join(f"{names[s['peer']]} {s['units'][0]}-{s['units'][-1]}" for s in stages)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,8 +142,11 @@ def main(argv: list[str] | None = None) -> int:
           f"to cores {PINS}; busy process on core {LOADED_CORE}")
     without = run(root / "fixed", model_dir, False, args.baseline, args.loaded)
     with_ = run(root / "live", model_dir, True, args.baseline, args.loaded)
-    print(f"plan before the load:          {without['stages']}")
-    print(f"plan after rebalancing:        {with_['stages']}")
+    print(f"fixed plan:                    {without['plans'][0]}")
+    print(f"live plan before / after load: {with_['plans'][0]} / {with_['plans'][1]}")
+    if "peer2" not in with_["plans"][0]:
+        print("note: peer2 held no units before the load (its core was busy with other work "
+              "when measured), so the load had nothing to move")
     print(f"tokens/s before the load:      {with_['before']:.1f} "
           f"(fixed-plan run: {without['before']:.1f})")
     print(f"tokens/s under load, fixed:    {without['under_load']:.1f}")

@@ -70,6 +70,7 @@ class Answers:
         self._room = asyncio.Condition()
         self._running = 0
         self._reserved = 0  # K/V tokens reserved by running answers
+        self._tasks: set[asyncio.Task] = set()
 
     # -- the plan ----------------------------------------------------------------------------
     def use(self, plane: DataPlane | None, kv_tokens: int = 0, problem: str | None = None) -> None:
@@ -79,7 +80,9 @@ class Answers:
             return
         current.changed.set()
         self._now = _Serving(plane, kv_tokens, problem)
-        asyncio.get_running_loop().create_task(self._recheck_room())
+        task = asyncio.get_running_loop().create_task(self._recheck_room())
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._tasks.discard)
 
     @property
     def plane(self) -> DataPlane | None:

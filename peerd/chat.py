@@ -7,7 +7,8 @@ The request is one line, ``{"op": "chat", "messages": [...] | "prompt_ids": [...
 connection cancels the answer on every peer, which is what Ctrl-C does.
 
 With `--prompt` or `--prompt-ids` it answers once and exits; with neither it is an interactive,
-multi-turn session.
+multi-turn `Session`. Answers go to stdout; the prompt marker, notices and errors go to
+stderr, so `peerd chat < questions > answers` keeps only the answers.
 """
 
 from __future__ import annotations
@@ -15,15 +16,30 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from peerd import statedir
-from peerd.client import Connection
+from peerd.client import Connection, call
 from peerd.errors import PeerdError
 
 # An answer may take a while to start when the cluster is busy; the daemon's own deadlines
 # end a stuck answer with an error, so the client waits without a timeout of its own.
 ANSWER_TIMEOUT_S = None
+
+PROMPT = "you> "
+STOPPED = "[answer stopped]"
+BANNER = "peerd chat: type a message; /help lists commands; Ctrl-C stops an answer, Ctrl-D leaves."
+HELP = """\
+/reset  forget the conversation so far
+/help   this list
+/exit   leave (so do Ctrl-D, and Ctrl-C at the prompt)"""
+# The head's refusal of text for a model without a tokenizer says this (peerd/serving.py).
+_NO_TOKENIZER = "no tokenizer"
+
+Message = dict[str, str]
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -36,7 +52,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return _answer_once(state_dir, {"messages": messages, **settings}, args.json)
     if args.json:
         raise PeerdError("--json needs --prompt or --prompt-ids")
-    return _interactive(state_dir, settings)
+    call(state_dir, {"op": "status"})  # no daemon: say so now, not after the first message
+    return Session(state_dir, settings).run()
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -51,23 +68,28 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _answer_once(state_dir, request: dict[str, Any], as_json: bool) -> int:
-    show = None if as_json else _print_piece
-    done = stream_answer(state_dir, request, show)
+class NoTokenizer(PeerdError):
+    """The model has no tokenizer: it takes prompts as token ids only."""
+
+
+def _answer_once(state_dir: Path, request: dict[str, Any], as_json: bool) -> int:
     if as_json:
+        done = stream_answer(state_dir, request)
         print(json.dumps({k: done[k] for k in ("token_ids", "text", "stats")}))
     else:
-        print()
+        _answer_line(state_dir, request)
     return 0
 
 
-def stream_answer(state_dir, request: dict[str, Any], on_piece=None) -> dict[str, Any]:
+def stream_answer(
+    state_dir: Path, request: dict[str, Any], on_piece: Callable[[str], None] | None = None
+) -> dict[str, Any]:
     """Send one chat request; call `on_piece(text)` per token; return the final event."""
     with Connection(state_dir, timeout=ANSWER_TIMEOUT_S) as connection:
         connection.send({"op": "chat", **request})
         while (event := connection.read()) is not None:
             if event.get("ok") is False:
-                raise PeerdError(event.get("error", "the cluster could not answer"))
+                _refuse(event.get("error", "the cluster could not answer"))
             if event.get("event") == "token" and on_piece is not None:
                 on_piece(event.get("text", ""))
             elif event.get("event") == "done":
@@ -75,32 +97,89 @@ def stream_answer(state_dir, request: dict[str, Any], on_piece=None) -> dict[str
     raise PeerdError("the daemon closed the connection before the answer was complete")
 
 
+def _refuse(error: str) -> None:
+    if _NO_TOKENIZER in error:
+        raise NoTokenizer("the model has no tokenizer, so it takes no text: "
+                          "give the prompt as token ids with --prompt-ids")
+    raise PeerdError(error)
+
+
+def _answer_line(state_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
+    """Stream an answer to stdout as it comes; the line is ended even if the answer is not."""
+    try:
+        return stream_answer(state_dir, request, _print_piece)
+    finally:
+        _print_piece("\n")
+
+
 def _print_piece(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
 
 
-def _interactive(state_dir, settings: dict[str, Any]) -> int:
-    print("peerd chat: type a message; Ctrl-C stops an answer, Ctrl-D leaves.", file=sys.stderr)
-    messages: list[dict[str, str]] = []
-    while True:
+def _say(text: str, end: str = "\n") -> None:
+    sys.stdout.flush()  # keep stderr's notices after the answer text already shown
+    sys.stderr.write(text + end)
+    sys.stderr.flush()
+
+
+@dataclass
+class Session:
+    """An interactive chat: every answer is asked with the whole conversation so far."""
+
+    state_dir: Path
+    settings: dict[str, Any]
+    messages: list[Message] = field(default_factory=list)
+
+    def run(self) -> int:
+        _say(BANNER)
+        while (line := _read_line()) is not None:
+            try:
+                if not self._take(line.strip()):
+                    break
+            except KeyboardInterrupt:
+                _say(STOPPED)
+        return 0
+
+    def _take(self, line: str) -> bool:
+        """Act on one line; False when the session should end."""
+        if line == "/exit":
+            return False
+        if line == "/reset":
+            self.messages = []
+            _say("[conversation cleared]")
+        elif line == "/help":
+            _say(HELP)
+        elif line.startswith("/"):
+            _say(f"unknown command {line.split()[0]}; /help lists the commands")
+        elif line:
+            self._turn(line)
+        return True
+
+    def _turn(self, text: str) -> None:
+        """Ask with `text` as the next user message; keep the turn only if it was answered.
+
+        A stopped or failed answer leaves the conversation as it was, as if never asked.
+        """
+        asked = [*self.messages, {"role": "user", "content": text}]
         try:
-            line = input("you> ")
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            return 0
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line})
-        try:
-            done = stream_answer(state_dir, {"messages": messages, **settings}, _print_piece)
-        except KeyboardInterrupt:
-            messages.pop()
-            print("\n[answer cancelled]", file=sys.stderr)
-            continue
+            done = _answer_line(self.state_dir, {"messages": asked, **self.settings})
+        except NoTokenizer:
+            raise  # every message would fail the same way
         except PeerdError as exc:
-            messages.pop()
-            print(f"\npeerd: {exc}", file=sys.stderr)
-            continue
-        print()
-        messages.append({"role": "assistant", "content": done["text"]})
+            _say(f"peerd: {exc}")
+            return
+        self.messages = [*asked, {"role": "assistant", "content": done["text"]}]
+
+
+def _read_line() -> str | None:
+    """The next line typed after the prompt; None at end of input or on Ctrl-C."""
+    try:
+        _say(PROMPT, end="")
+        line = sys.stdin.readline()
+    except KeyboardInterrupt:
+        line = ""
+    if not line:
+        _say("")  # the shell's prompt then starts on a line of its own
+        return None
+    return line

@@ -54,6 +54,7 @@ log = logging.getLogger("peerd.daemon")
 MEASURE_TIMEOUT_S = 10.0
 PROBE_TIMEOUT_S = 60.0
 CAPABILITY_CHECK_S = 1.0
+SHUTDOWN_STEP_S = 5.0
 UNITS_DIR = "units"  # the unit file cache in the state directory
 ELECTION_KINDS = (protocol.VoteRequest, protocol.Vote, protocol.LeaderAnnounce)
 SERVING_KINDS = (
@@ -217,21 +218,24 @@ class Daemon:
 
     async def _shutdown(self) -> None:
         if self.openai is not None:
-            await self.openai.close()
+            await _within("the OpenAI endpoint", self.openai.close())
         self.notifier.stopping()
-        for task in self._tasks:
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.serving.close()
-        await self.deployment.close()
+        await _within("the daemon's tasks", asyncio.gather(*tasks, return_exceptions=True),
+                      tasks)
+        await _within("serving", self.serving.close())
+        await _within("deployment", self.deployment.close())
         if self.model_host is not None:
-            await self.model_host.close()
+            await _within("the model host", self.model_host.close())
         goodbye = protocol.Goodbye(self.instance)
         for peer_id in self.membership.members:
             self.transport.send(peer_id, goodbye)
-        await self.discovery.close()  # mDNS goodbyes; meanwhile the control goodbyes flush
-        await self.api.close()
-        await self.transport.close()
+        # mDNS goodbyes; meanwhile the control goodbyes flush
+        await _within("discovery", self.discovery.close())
+        await _within("the local API", self.api.close())
+        await _within("the transport", self.transport.close())
         log.info("stopped")
 
     def _spawn(self, coroutine) -> asyncio.Task:
@@ -384,6 +388,11 @@ class Daemon:
         )
 
     def _leader_announce(self, member, msg: protocol.LeaderAnnounce, incoming) -> None:
+        if msg.epoch < self.election.epoch:
+            # A replayed or late win: unlike a heartbeat's older epoch, it does not mean the
+            # sender restarted, so it must not unseat the sender if it leads now.
+            log.info("ignored %s's claim to lead old epoch %d", member.id, msg.epoch)
+            return
         self._election_event(
             election.LeaderClaimed(member.id, member.id, msg.epoch, time.monotonic())
         )
@@ -647,6 +656,17 @@ class Daemon:
             await send({"ok": True, "subscribed": True})
             while True:
                 await send(await queue.get())
+
+
+async def _within(what: str, step, tasks: list[asyncio.Task] = ()) -> None:
+    """One step of shutting down, given SHUTDOWN_STEP_S: a stuck step is logged (with the
+    tasks still running) and passed over, so `peerd stop` always ends the process."""
+    try:
+        await asyncio.wait_for(step, SHUTDOWN_STEP_S)
+    except TimeoutError:
+        stuck = [task.get_coro().__qualname__ for task in tasks if not task.done()]
+        log.warning("shutdown: %s did not finish in %gs%s; going on", what, SHUTDOWN_STEP_S,
+                    f" ({', '.join(stuck)})" if stuck else "")
 
 
 def _measurements_event(report: protocol.ClusterReport) -> dict[str, Any]:

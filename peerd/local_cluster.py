@@ -90,7 +90,11 @@ class LocalCluster:
         for process in self._processes:
             process.terminate()
         for process in self._processes:
-            process.wait(timeout=30)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()  # its log says which shutdown step hung
+                process.wait()
         self._processes.clear()
 
 
