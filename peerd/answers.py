@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 import uuid
@@ -131,10 +132,9 @@ class Answers:
                 raise GenerationError(
                     f"no plan could serve for {self.limits.resume_wait_s:.0f}s; ask again"
                 )
-            try:
-                await asyncio.wait_for(now.changed.wait(), left)
-            except TimeoutError:
-                continue
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await now.changed.wait()
 
     # -- admission ---------------------------------------------------------------------------
     async def _admit(self, request: Request) -> None:

@@ -135,6 +135,8 @@ class Coordinator:
             self._pending = None  # a change that went away again
             if self.deployed and self.policy is not None:
                 await self._rebalance(epoch, report)
+            elif self.plan is not None and not self.plan.stages and inputs.model_key:
+                await self._retry(epoch, report)
         elif self._replan_now(inputs):
             reason = _reason(self._inputs, inputs)
             self._inputs, self._pending = inputs, None
@@ -144,10 +146,19 @@ class Coordinator:
                 self._send(member, self.plan)
 
     def _adopt(self, plan: PlanAssignment, reason: str) -> None:
+        if plan.problem:
+            log.warning("plan %d: %s", plan.plan_id, plan.problem)
         self.plan = plan
         self.reports = {}
         self._rebalancing = dataclasses.replace(self._rebalancing, changed_at=self._clock())
         self._publish(plan_event(plan, reason))
+
+    async def _retry(self, epoch: int, report: ClusterReport) -> None:
+        """With the model ready but no plan (peers were too loaded, on low battery...), try
+        again with the fresh figures; a new plan goes out when it differs."""
+        plan = await self._new_plan(epoch, report)
+        if plan.stages or plan.problem != self.plan.problem:
+            self._adopt(plan, "fresh figures")
 
     async def _rebalance(self, epoch: int, report: ClusterReport) -> None:
         """Score the deployed plan with fresh figures; move work when the policy says so."""
@@ -316,7 +327,6 @@ class Coordinator:
         )
 
     def _problem(self, epoch: int, plan_id: int, problem: str) -> PlanAssignment:
-        log.warning("plan %d: %s", plan_id, problem)
         model = self.model
         return PlanAssignment(
             epoch=epoch,

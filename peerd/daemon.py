@@ -458,8 +458,11 @@ class Daemon:
 
     async def _lead(self) -> None:
         while True:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+            # races with the event being set, and this loop would outlive `peerd stop`
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._remeasure.wait(), self.options.measure_interval_s)
+                async with asyncio.timeout(self.options.measure_interval_s):
+                    await self._remeasure.wait()
             self._remeasure.clear()
             if self.election.role is Role.LEADER:
                 self._round = self._spawn(self._measurement_round(self.election.epoch))

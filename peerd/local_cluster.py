@@ -32,15 +32,17 @@ READY_S = 600.0
 class LocalCluster:
     def __init__(self, root: Path, model_dir: Path, peers: int = 3,
                  progress: Callable[[str], None] = print, holders: int | None = None,
-                 cpus: Sequence[Sequence[int]] | None = None, extra: Sequence[str] = ()) -> None:
+                 cpus: Sequence[Sequence[int]] | None = None, extra: Sequence[str] = (),
+                 peer_args: Sequence[Sequence[str]] = ()) -> None:
         """`holders`: how many peers it takes to hold the model (default: all of them);
         `cpus`: per peer, the cores its daemon is pinned to; `extra`: more `peerd start`
-        arguments for every peer."""
+        arguments for every peer, `peer_args`: for peer i, its own."""
         self.root, self.model_dir, self.count = Path(root), Path(model_dir), peers
         self.progress = progress
         self.holders = holders or peers
         self.cpus = cpus
         self.extra = tuple(extra)
+        self.peer_args = [tuple(a) for a in peer_args]
         self._args: dict[int, tuple] = {}
         self.dirs: list[Path] = []
         self.manifest: Manifest | None = None
@@ -66,7 +68,8 @@ class LocalCluster:
 
     def _start(self, i: int, budget: str, *args: str) -> None:
         cores = self.cpus[i] if self.cpus else None
-        self._args[i] = (budget, cores, *args, *self.extra)
+        own = self.peer_args[i] if i < len(self.peer_args) else ()
+        self._args[i] = (budget, cores, *args, *self.extra, *own)
         self._processes.append(_start(self.dirs[i], *self._args[i]))
 
     def kill(self, i: int) -> None:

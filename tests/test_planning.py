@@ -236,3 +236,59 @@ async def test_a_manifest_request_that_times_out_keeps_the_plan(manifest):
     leader.unreachable = True
     assert await leader.step(measured) is plan
     assert leader.coordinator.model.manifest == manifest
+
+
+def _deploy(leader: Leader) -> PlanAssignment:
+    plan = leader.coordinator.plan
+    for stage in plan.stages:
+        leader.coordinator.on_report(stage.peer, ready(plan, stage.peer))
+    assert leader.coordinator.deployed
+    return plan
+
+
+async def test_a_stage_peer_dropping_below_the_battery_threshold_is_rebalanced_off_at_once(
+    manifest,
+):
+    events = []
+    leader = Leader(manifest)
+    leader.coordinator._publish = events.append
+    peers = [figures("a", SMALL, model="toy"), figures("b", SMALL), figures("c", SMALL)]
+    first = await leader.step(report(*peers))
+    _deploy(leader)
+    loser = first.stages[-1].peer
+    low = [dataclasses.replace(f, battery=Battery(15, False)) if f.id == loser else f
+           for f in peers]
+    moved = await leader.step(report(*low))
+    assert moved.plan_id == first.plan_id + 1 and loser not in {s.peer for s in moved.stages}
+    rebalance = next(e for e in events if e["event"] == "rebalance")
+    assert "on battery at 15%" in rebalance["reason"] and rebalance["plan_id"] == moved.plan_id
+
+
+async def test_a_better_plan_is_taken_only_after_it_held_for_the_sustain_time(manifest):
+    leader = Leader(manifest)
+    slow = 1e3  # FLOP/s: compute, not the links, bounds the pipeline
+    peers = [figures("a", SMALL, slow, model="toy"), figures("b", SMALL, slow),
+             figures("c", SMALL, slow)]
+    first = await leader.step(report(*peers))
+    _deploy(leader)
+    busy = first.stages[-1].peer
+    loaded = report(*(dataclasses.replace(f, load=0.9) if f.id == busy else f for f in peers))
+    leader.now = 100.0
+    assert await leader.step(loaded) is first
+    leader.now = 102.0
+    assert await leader.step(loaded) is first, "not sustained for 3 s yet"
+    leader.now = 103.5
+    moved = await leader.step(loaded)
+    assert moved.plan_id == first.plan_id + 1 and busy not in {s.peer for s in moved.stages}
+
+
+async def test_with_no_room_the_leader_tries_again_as_figures_change(manifest):
+    leader = Leader(manifest)
+    full = report(figures("a", SMALL, model="toy"),
+                  dataclasses.replace(figures("b", SMALL), load=1.0))
+    stuck = await leader.step(full, members=("a", "b"))
+    assert stuck.stages == ()
+    assert await leader.step(full, members=("a", "b")) is stuck, "same problem: no new plan"
+    eased = await leader.step(report(figures("a", SMALL, model="toy"), figures("b", SMALL)),
+                              members=("a", "b"))
+    assert eased.stages and eased.plan_id > stuck.plan_id

@@ -1,0 +1,166 @@
+"""`peerd dashboard`: a live Textual view of the cluster, from the local daemon's socket.
+
+The dashboard follows the daemon through `tui.source.Feed` (one event subscription; the
+status document is fetched again whenever an event says something changed) and shows: the
+peers table, the plan as a ring drawn to scale, tokens/s and latency sparklines, the event
+log, and a chat pane that streams answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.widgets import Footer, Static
+
+from peerd import statedir
+from peerd.client import call
+from tui.figures import name_of, names
+from tui.source import DaemonSource, Feed
+from tui.widgets.chat import ChatPane
+from tui.widgets.events import EventLog
+from tui.widgets.peers import PeersTable, ms_per_token
+from tui.widgets.plan import Measured, PlanView
+from tui.widgets.rates import CounterRates, RateCharts
+
+CHAT_MAX_TOKENS = 64
+
+
+# The feed's news reaches the widgets as messages: they are handled while the app runs and
+# dropped once it is closing, when widgets may already be gone.
+class NewStatus(Message):
+    def __init__(self, status: dict[str, Any]):
+        super().__init__()
+        self.status = status
+
+
+class NewEvent(Message):
+    def __init__(self, event: dict[str, Any]):
+        super().__init__()
+        self.event = event
+
+
+class Unreachable(Message):
+    def __init__(self, reason: str):
+        super().__init__()
+        self.reason = reason
+
+
+class DashboardApp(App):
+    TITLE = "peerd dashboard"
+    BINDINGS = [Binding("ctrl+q", "quit", "quit", priority=True)]
+    AUTO_FOCUS = "#prompt"  # typing goes to the chat pane
+    CSS = """
+    #summary { height: auto; padding: 0 1; background: $boost; }
+    PeersTable { height: auto; max-height: 40%; }
+    #main { height: 1fr; }
+    #left { width: 3fr; }
+    PlanView { height: auto; padding: 1 1 0 1; }
+    RateCharts { height: auto; padding: 1 1 0 1; }
+    RateCharts Sparkline { height: 2; margin-bottom: 1; }
+    EventLog { width: 2fr; height: 1fr; border: round $primary; }
+    ChatPane { height: 11; border: round $secondary; }
+    #transcript-scroll { height: 1fr; }
+    """
+
+    def __init__(self, state_dir: Path, chat_max_tokens: int = CHAT_MAX_TOKENS):
+        super().__init__()
+        self.source = DaemonSource(state_dir)
+        self.feed = Feed(
+            self.source,
+            lambda status: self.post_message(NewStatus(status)),
+            lambda event: self.post_message(NewEvent(event)),
+            lambda reason: self.post_message(Unreachable(reason)),
+        )
+        self.chat_max_tokens = chat_max_tokens
+        self.status: dict[str, Any] | None = None
+        self.trouble: str | None = None
+        self.plan_event: dict[str, Any] | None = None  # the latest `plan` event seen
+        self.rates = CounterRates()
+        self.stage_ms: dict[str, float] = {}  # compute ms per token by peer, last answer
+        self.last_answer_tps: float | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Static("connecting to the daemon…", id="summary")
+        yield PeersTable()
+        with Horizontal(id="main"):
+            with Vertical(id="left"):
+                yield PlanView()
+                yield RateCharts()
+            yield EventLog()
+        yield ChatPane(self.source, self.chat_max_tokens)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one(EventLog).border_title = "events"
+        self.query_one(ChatPane).border_title = "chat"
+        self.run_worker(self.feed.run(), group="feed")
+
+    # -- the feed ------------------------------------------------------------------------------
+
+    def on_new_status(self, message: NewStatus) -> None:
+        self.status, self.trouble = message.status, None
+        self.rates.add(message.status.get("dataplane"), time.monotonic())
+        self._redraw()
+
+    def on_new_event(self, message: NewEvent) -> None:
+        if message.event.get("event") == "plan":
+            self.plan_event = message.event
+        self.query_one(EventLog).add(message.event, names(self.status))
+
+    def on_unreachable(self, message: Unreachable) -> None:
+        self.trouble = message.reason
+        self._show_summary()
+
+    def on_chat_pane_answered(self, answered: ChatPane.Answered) -> None:
+        stats = answered.done.get("stats") or {}
+        self.last_answer_tps = stats.get("tokens_per_second")
+        self.stage_ms = ms_per_token(stats, (self.status or {}).get("plan"))
+        self.feed.changed()
+
+    # -- drawing -------------------------------------------------------------------------------
+
+    def _redraw(self) -> None:
+        self._show_summary()
+        status, known = self.status, names(self.status)
+        if status is None:
+            return
+        self.query_one(PeersTable).show(status, self.stage_ms)
+        self.query_one(PlanView).show(status, known, self.plan_event,
+                                      Measured(self.rates.now, self.last_answer_tps))
+        self.query_one(RateCharts).show(self.rates)
+
+    def _show_summary(self) -> None:
+        summary = self.query_one("#summary", Static)
+        if self.trouble is not None:
+            summary.update(Text(f"{self.trouble} (connecting again)", "bold red"))
+        elif self.status is not None:
+            summary.update(summary_line(self.status))
+
+
+def summary_line(status: dict[str, Any]) -> Text:
+    known, model = names(status), status.get("model")
+    alive = sum(1 for p in status["peers"] if p["state"] == "alive")
+    text = Text()
+    text.append(f"{status['name']}", "bold").append(f" ({status['role']})")
+    text.append(f" · cluster {status['cluster']} · {alive} of {len(status['peers'])} peers alive")
+    text.append(f" · leader {name_of(status['leader'], known)}, epoch {status['epoch']}")
+    if model:
+        text.append(f" · model {model['name']} on {name_of(model['peer'], known)}: "
+                    f"{model['state']}")
+    return text
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    state_dir = statedir.resolve(args.state_dir)
+    call(state_dir, {"op": "status"})  # a one-line error before the screen is taken over
+    app = DashboardApp(state_dir)
+    app.run()
+    return app.return_code or 0

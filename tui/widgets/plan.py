@@ -1,0 +1,92 @@
+"""The plan as a picture: the ring of stages, each peer's unit range drawn to scale over the
+model's units, the residual links (from the leader's `plan` event), and the planner's
+predicted throughput beside the measured one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rich.text import Text
+from textual.widgets import Static
+
+from tui.figures import name_of, rate, span
+
+BAR_WIDTH = 40
+
+
+@dataclass(frozen=True)
+class Measured:
+    now: float | None = None  # tokens/s through this peer's stage lately
+    last_answer: float | None = None  # decode tokens/s of the last answer asked here
+
+
+def draw_plan(status: dict[str, Any], known: dict[str, str],
+              plan_event: dict[str, Any] | None, measured: Measured) -> Text:
+    plan, model = status.get("plan"), status.get("model") or {}
+    if plan is None:
+        return Text("no plan yet" + (f": model {model['state']}" if model else ""), "dim")
+    text = Text()
+    text.append(f"plan {plan['id']}", "bold").append(
+        f" · epoch {plan['epoch']} · {plan['objective']} ({plan['solver']}) · "
+        f"{plan['model']}"
+    )
+    if not plan["stages"]:
+        return text.append("\nno stages: ", "bold red").append(plan["problem"] or "")
+    total = model.get("units") or plan["stages"][-1]["units"][-1] + 1
+    text.append(f", {total} units\n")
+    width = max(len(name_of(s["peer"], known)) for s in plan["stages"])
+    for index in range(len(plan["stages"])):
+        text.append_text(_stage_line(index, plan["stages"], total, known, width))
+    if plan_event is not None and (plan_event["epoch"], plan_event["plan_id"]) == (
+        plan["epoch"], plan["id"]
+    ):
+        text.append_text(_residuals(plan_event["residuals"], known))
+    else:
+        text.append("residual links: listed by the leader's next plan event\n", "dim")
+    predicted = plan["predicted"] or {}
+    text.append("predicted ").append(rate(predicted.get("throughput_tps")), "bold")
+    text.append(" · measured ").append(rate(measured.now), "bold").append(" now")
+    if measured.last_answer is not None:
+        text.append(f" · last answer {rate(measured.last_answer)}")
+    return text
+
+
+def bar(first: int, last: int, total: int, width: int = BAR_WIDTH) -> tuple[int, int]:
+    """The (start, end) columns of units first..last out of `total`, to scale; at least one
+    column wide."""
+    start = round(first * width / total)
+    end = max(round((last + 1) * width / total), start + 1)
+    return start, min(end, width)
+
+
+def _stage_line(index: int, stages: list[dict[str, Any]], total: int,
+                known: dict[str, str], width: int) -> Text:
+    units, count = stages[index]["units"], len(stages)
+    start, end = bar(units[0], units[-1], total)
+    ring = "⟳ " if count == 1 else "╭▶" if index == 0 else "╰─" if index == count - 1 else "│ "
+    line = Text(f"{ring} {name_of(stages[index]['peer'], known):<{width}}  ")
+    line.append("░" * start, "dim").append("█" * (end - start), f"color({index % 6 + 2})")
+    line.append("░" * (BAR_WIDTH - end), "dim")
+    line.append(f"  {span(units[0], units[-1]):>7} ({len(units)})")
+    if index == count - 1 and count > 1:
+        line.append(f"  ⟲ token to {name_of(stages[0]['peer'], known)}", "dim")
+    return line.append("\n")
+
+
+def _residuals(links: list[dict[str, Any]], known: dict[str, str]) -> Text:
+    if not links:
+        return Text("residual links: none (every stage feeds only the next)\n")
+    text = Text("residual links:")
+    for link in links:
+        text.append(f"  {name_of(link['from'], known)} ⇢ {name_of(link['to'], known)}", "bold")
+        text.append(f" ({', '.join(link['tensors'])})")
+    return text.append("\n")
+
+
+class PlanView(Static):
+    """The plan picture; `show` redraws it."""
+
+    def show(self, status: dict[str, Any], known: dict[str, str],
+             plan_event: dict[str, Any] | None, measured: Measured) -> None:
+        self.update(draw_plan(status, known, plan_event, measured))
