@@ -263,6 +263,10 @@ class DataPlane:
             return
         elif isinstance(message, StageData):
             self._on_stage_data(self.peers.index(sender), message)
+        elif isinstance(message, (SequenceToken, SequenceFailed)) and self.is_head and (
+            message.seq_id not in self._running
+        ):
+            self._end(message.seq_id)  # a sequence no answer runs: free it on every stage
         elif isinstance(message, SequenceToken) and self.is_head:
             self._on_token(message.seq_id, message.step, message.token)
         elif isinstance(message, SequenceFailed) and self.is_head:
@@ -330,6 +334,10 @@ class DataPlane:
             return
         cost.transfer_s += time.perf_counter() - started
         if done.logits is not None:
+            if seq_id not in self.sampler:  # a step of a sequence the head never opened
+                self.worker.drop(seq_id)
+                await self._report_failure(seq_id, f"stage {self.stage}: {seq_id} was not opened")
+                return
             await self._emit_token(seq_id, step, self.sampler.sample(seq_id, done.logits))
 
     async def _emit_token(self, seq_id: str, step: int, token: int) -> None:

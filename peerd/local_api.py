@@ -23,6 +23,9 @@ from peerd.errors import PeerdError
 log = logging.getLogger("peerd.local_api")
 
 MAX_LINE_BYTES = 64 * 1024
+# Connections waiting to be accepted; past asyncio's default of 100, a burst of clients
+# connecting at once (scripts polling status, dashboards) would see theirs refused.
+LISTEN_BACKLOG = 1024
 EVENT_QUEUE = 1000
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes including the terminating NUL
 
@@ -71,7 +74,7 @@ class LocalApi:
         old_umask = os.umask(0o177)  # the socket is created 0600, never briefly wider
         try:
             self._server = await asyncio.start_unix_server(
-                self._serve, path=str(self.path), limit=MAX_LINE_BYTES
+                self._serve, path=str(self.path), limit=MAX_LINE_BYTES, backlog=LISTEN_BACKLOG
             )
         finally:
             os.umask(old_umask)
@@ -97,6 +100,10 @@ class LocalApi:
                 await self._answer(line, send)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
+        except asyncio.CancelledError:
+            # `close` ends the connection. Ending quietly rather than cancelled: Python 3.11
+            # logs a cancelled connection task as an unhandled error with a traceback.
+            pass
         finally:
             self._connections.discard(task)
             writer.close()
@@ -109,6 +116,9 @@ class LocalApi:
             request = json.loads(line)
         except ValueError:
             await send({"ok": False, "error": "request is not JSON"})
+            return
+        except RecursionError:  # e.g. 30000 nested brackets, well within one line
+            await send({"ok": False, "error": "request is nested too deeply"})
             return
         if not isinstance(request, dict) or not isinstance(request.get("op"), str):
             await send({"ok": False, "error": 'request must be an object with a string "op"'})

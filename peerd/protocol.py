@@ -699,7 +699,7 @@ def _tensor_frames(tensors: Tensors) -> tuple[list, list[memoryview]]:
         if dtype not in WIRE_DTYPES:
             raise TypeError(f"tensor {name!r}: dtype {dtype} cannot travel on the wire")
         specs.append([name, dtype, list(array.shape)])
-        frames.append(memoryview(array).cast("B"))
+        frames.append(memoryview(array.reshape(-1).view(np.uint8)))  # also when empty
     return specs, frames
 
 

@@ -55,6 +55,8 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 HEAD_SILENCE_S = 60.0
 RELAY_TIMEOUT_S = 10.0
 MAX_CHAT_TOKENS = 8192
+MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; the model refuses ids past its own
+MAX_SEED = 2**64 - 1  # the largest seed SequenceOpen carries (msgpack integers)
 
 
 @dataclass(frozen=True)
@@ -77,10 +79,8 @@ def parse_chat(request: dict[str, Any]) -> ChatBody:
         raise PeerdError('a chat needs exactly one of "prompt_ids", "messages" and "prompt"')
     if prompt is not None and not (isinstance(prompt, str) and prompt):
         raise PeerdError('"prompt" must be a non-empty string')
-    if prompt_ids is not None and not (
-        isinstance(prompt_ids, list) and prompt_ids and all(type(t) is int for t in prompt_ids)
-    ):
-        raise PeerdError('"prompt_ids" must be a non-empty list of integers')
+    if prompt_ids is not None and not (prompt_ids and _token_ids(prompt_ids)):
+        raise PeerdError('"prompt_ids" must be a non-empty list of integers, token ids >= 0')
     if messages is not None and not (
         isinstance(messages, list)
         and messages
@@ -101,14 +101,22 @@ def parse_chat(request: dict[str, Any]) -> ChatBody:
             float(request.get("top_p", 1.0)),
             int(request.get("seed", 0)),
         )
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise PeerdError(f"bad sampling settings: {exc}") from None
+    if not 0 <= params.seed <= MAX_SEED:
+        raise PeerdError(f"bad sampling settings: seed must be from 0 to {MAX_SEED}")
     produced = request.get("resume_ids", [])
-    if not (isinstance(produced, list) and all(type(t) is int for t in produced)):
-        raise PeerdError('"resume_ids" must be a list of integers')
+    if not _token_ids(produced):
+        raise PeerdError('"resume_ids" must be a list of integers, token ids >= 0')
     if len(produced) >= max_tokens:
         raise PeerdError('"resume_ids" must be shorter than "max_tokens"')
     return ChatBody(prompt_ids, messages, prompt, max_tokens, params, tuple(produced))
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in value
+    )
 
 
 class TextStream:

@@ -1,0 +1,208 @@
+"""Unit files on a disk that lies or fills up.
+
+- A cached unit whose bytes do not hash to its name is fetched again and never loaded, even
+  when it is a perfectly loadable unit of another model, and so is a partial file that was
+  corrupted between two transfers.
+- A disk that fills while units arrive (a real tmpfs, smaller than the unit) gives one clear
+  line, keeps only verified whole files and a partial cut at a chunk boundary, and the
+  transfer resumes from there once there is room: first with the receiving side alone, then
+  end to end with two real daemons, the receiver's unit cache on the small tmpfs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from netns import wait_for
+from sharding import reference
+from toy_units import ToyModel, write_toy
+from waiting import eventually
+
+from peerd.chat import stream_answer
+from peerd.client import call
+from peerd.deploy import Deployment
+from peerd.local_cluster import LocalCluster
+from peerd.protocol import PlanAssignment, PlanFigures, PlanStage, UnitChunkRequest
+from peerd.unit_store import StoreError, UnitStore, file_sha256
+from peerd.unit_transfer import CHUNK_BYTES, ChunkServer, fetch_unit
+from shards.executor import StageExecutor
+
+CHUNK = 64 * 1024
+
+
+@contextlib.contextmanager
+def tmpfs(directory: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted on `directory` (created) for the block; needs root."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    directory.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+                   check=True)
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=True)
+
+
+def resize(directory: Path, size: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(directory)], check=True)
+
+
+class Server:
+    """The model peer's ChunkServer, asked directly; it records the offsets asked for."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.chunks = ChunkServer(lambda: files)
+        self.offsets: list[int] = []
+
+    def ask(self, peer: str = "model"):
+        async def asked(request: UnitChunkRequest):
+            self.offsets.append(request.offset)
+            return await self.chunks.answer(request)
+
+        return asked
+
+
+def _plan(manifest, stages: tuple[PlanStage, ...]) -> PlanAssignment:
+    return PlanAssignment(1, 1, stages, "toy", "model", manifest.to_dict(), "throughput", "milp",
+                          PlanFigures(0.1, 10.0, 0.1), None)
+
+
+async def test_a_cached_unit_that_does_not_match_its_hash_is_fetched_again_never_loaded(
+    tmp_path,
+):
+    toy, other = ToyModel(seed=0), ToyModel(seed=1)
+    manifest = write_toy(tmp_path / "model", toy)
+    impostor = write_toy(tmp_path / "other", other)
+    acc, head = manifest.units[1], manifest.units[2]
+    store = UnitStore(tmp_path / "store")
+    # Another model's head: the same graph, other weights, a valid ONNX file that would load.
+    shutil.copy(tmp_path / "other" / impostor.units[2].file, store.path(head.sha256))
+    # A partial transfer of unit 1 whose bytes were damaged on disk since.
+    good = (tmp_path / "model" / acc.file).read_bytes()
+    (store.root / f"{acc.sha256}.part").write_bytes(bytes(b ^ 0xFF for b in good[:100]))
+    server = Server({u.sha256: tmp_path / "model" / u.file for u in manifest.units})
+    deployment = Deployment("second", store, server.ask, lambda report: None, chunk_bytes=256)
+
+    deployment.assign(_plan(manifest, (PlanStage("model", 0, 0), PlanStage("second", 1, 2))))
+    await eventually(lambda: deployment.progress.state in ("ready", "failed"), "the stage",
+                     timeout=10)
+    assert deployment.progress.state == "ready", deployment.progress.detail
+    for unit in (acc, head):
+        assert file_sha256(store.path(unit.sha256)) == unit.sha256
+    assert server.offsets[0] == 100, "unit 1 resumed from its partial file"
+    assert server.offsets.count(0) == 2, "then unit 1 was fetched whole, and the head once"
+    ids = [3, 1, 4]
+    request = {"input_ids": np.array([ids], np.int64),
+               "position_ids": np.arange(len(ids), dtype=np.int64)[None]}
+    first = StageExecutor(manifest, tmp_path / "model", 0, 0).step("s", request)
+    logits = deployment.executor.step("s", first)["logits"][0]
+    np.testing.assert_allclose(logits, toy.logits(ids), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(logits, other.logits(ids), atol=1e-3), "the impostor differs"
+    await deployment.close()
+
+
+async def test_a_full_disk_is_one_clear_line_leaves_the_cache_consistent_and_resumes(tmp_path):
+    source = tmp_path / "unit.onnx"
+    source.write_bytes(np.random.default_rng(0).bytes(3 * 1024 * 1024 + 77))
+    small = tmp_path / "small.onnx"
+    small.write_bytes(b"a small unit that fits" * 100)
+    sha, small_sha = file_sha256(source), file_sha256(small)
+    server = Server({sha: source, small_sha: small})
+    with tmpfs(tmp_path / "disk", "2m") as disk:
+        store = UnitStore(disk / "units")
+        await fetch_unit(server.ask(), store, small_sha, small.stat().st_size, CHUNK)
+        with pytest.raises(StoreError) as failure:
+            await fetch_unit(server.ask(), store, sha, source.stat().st_size, CHUNK)
+        reason = str(failure.value)
+        assert reason.startswith("no space left in ") and sha[:12] in reason
+        assert "\n" not in reason
+        kept = store.received(sha)
+        assert 0 < kept < source.stat().st_size and kept % CHUNK == 0, "cut at a chunk boundary"
+        assert not store.has(sha), "no half file is taken as complete"
+        assert store.verify(small_sha), "what was whole stays whole"
+
+        resize(disk, "8m")
+        server.offsets.clear()
+        path = await fetch_unit(server.ask(), store, sha, source.stat().st_size, CHUNK)
+        assert path.read_bytes() == source.read_bytes()
+        assert server.offsets[0] == kept, "the retry resumed from the bytes on disk"
+
+
+# -- end to end: two daemons, the receiver's unit cache on a small tmpfs -----------------------
+
+PROMPT, NEW_TOKENS = [2, 7, 1, 8], 8
+
+
+def test_two_daemons_a_receiver_with_a_full_disk_reports_it_and_recovers_once_there_is_room(
+    hf_checkpoint, tmp_path,
+):
+    # Layer halves of about 9 MB: every unit of the receiver's stage is bigger than its disk.
+    model_dir = hf_checkpoint("llama", layers=2, hidden=512, intermediate=1536, heads=8,
+                              kv_heads=4)
+    expected = reference(model_dir, tuple(PROMPT), NEW_TOKENS, stop_at_eos=True)[0]
+    receiver = tmp_path / "peer1"
+    with tmpfs(receiver / "units", "6m") as disk:
+        cluster = LocalCluster(tmp_path, model_dir, 2, progress=lambda line: None)
+        with _entered_in_background(cluster) as deployed:
+            failed = wait_for(lambda: _failed_deployment(receiver), 240,
+                              "the receiver to report its full disk")
+            assert failed["detail"].startswith(f"no space left in {disk}")
+            assert "\n" not in failed["detail"]
+            _assert_consistent(UnitStore(disk))
+            resize(disk, "64m")
+            wait_for(deployed.is_set, 120, "the retried deployment")
+            answer = stream_answer(cluster.dirs[0],
+                                   {"prompt_ids": PROMPT, "max_tokens": NEW_TOKENS})
+            assert answer["token_ids"] == expected
+
+
+def _failed_deployment(state_dir: Path) -> dict | None:
+    try:
+        deployment = call(state_dir, {"op": "status"})["status"]["deployment"]
+    except Exception:  # not started yet
+        return None
+    return deployment if deployment["state"] == "failed" else None
+
+
+def _assert_consistent(store: UnitStore) -> None:
+    """Every whole file verifies, and the partial that hit the full disk ends at a chunk."""
+    files = {path.name: path for path in store.root.iterdir()}
+    partials = [path for name, path in files.items() if name.endswith(".part")]
+    assert partials, sorted(files)
+    assert all(path.stat().st_size % CHUNK_BYTES == 0 for path in partials)
+    for name, path in files.items():
+        if name.endswith(".onnx"):
+            assert file_sha256(path) == name.removesuffix(".onnx")
+
+
+@contextlib.contextmanager
+def _entered_in_background(cluster: LocalCluster) -> Iterator[threading.Event]:
+    """Enter the cluster (which waits for a deployed plan) on a thread; the event is set once
+    it is in. Any failure of the thread is raised here at the end."""
+    entered, failures = threading.Event(), []
+
+    def enter() -> None:
+        try:
+            cluster.__enter__()
+            entered.set()
+        except BaseException as exc:  # reported below
+            failures.append(exc)
+
+    thread = threading.Thread(target=enter, daemon=True)
+    thread.start()
+    try:
+        yield entered
+    finally:
+        cluster.stop()
+        thread.join(30)
+    if failures:
+        raise failures[0]
