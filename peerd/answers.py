@@ -105,25 +105,27 @@ class Answers:
     async def _generate(self, request: Request, on_token: Callable[[int], None]) -> Answered:
         generation = Generation(uuid.uuid4().hex, request.prompt, request.max_tokens,
                                 request.stop_ids, tokens=list(request.produced))
-        resumed = 0
+        resumed, left = 0, None
         while not generation.finished:
-            plane = await self._plane()
+            plane = await self._plane(avoid=left)
             try:
                 stages = await plane.run(generation, request.params, on_token)
                 return Answered(generation.tokens, stages, resumed)
             except PlaneClosed:
+                left = plane
                 resumed += 1
                 log.info("answer %s moves to the next plan after %d tokens",
                          generation.seq_id, len(generation.tokens))
                 generation.restart(uuid.uuid4().hex)
         return Answered(generation.tokens, [], resumed)
 
-    async def _plane(self) -> DataPlane:
-        """The plane to run on, waiting up to `resume_wait_s` for one."""
+    async def _plane(self, avoid: DataPlane | None = None) -> DataPlane:
+        """The plane to run on (not `avoid`, which failed the answer), waiting up to
+        `resume_wait_s` for one."""
         deadline = time.monotonic() + self.limits.resume_wait_s
         while True:
             now = self._now
-            if now.plane is not None and not now.plane.closed:
+            if now.plane is not None and not now.plane.closed and now.plane is not avoid:
                 return now.plane
             if now.problem is not None:
                 raise GenerationError(now.problem)

@@ -62,6 +62,11 @@ class PlaneClosed(Exception):
     """The plane was retired while the answer ran on it: continue on the next plan."""
 
 
+class PlanBroken(PlaneClosed):
+    """A peer of the plan cannot be reached: continue on the next plan, which the leader
+    makes once it notices the peer gone."""
+
+
 @dataclass(frozen=True)
 class Limits:
     max_sequences: int = 8  # running at once
@@ -176,9 +181,7 @@ class DataPlane:
         try:
             answer = await self.transport.request(self.peers[-1], ask, self.limits.send_timeout_s)
         except TransportError as exc:
-            if self.closed:
-                raise PlaneClosed from None
-            raise GenerationError(f"the last stage did not answer: {exc}") from None
+            raise PlanBroken(f"the last stage did not answer: {exc}") from None
         if answer.error:
             raise GenerationError(answer.error)
 
@@ -330,7 +333,7 @@ class DataPlane:
                     self.peers[out.target], out.message, self.limits.send_timeout_s
                 )
         except TransportError as exc:
-            await self._report_failure(seq_id, f"stage {self.stage}, step {step}: {exc}")
+            self._lost_peer(seq_id, f"stage {self.stage}, step {step}: {exc}")
             return
         cost.transfer_s += time.perf_counter() - started
         if done.logits is not None:
@@ -349,6 +352,14 @@ class DataPlane:
             await self.transport.deliver(self.peers[0], message, self.limits.send_timeout_s)
         except TransportError as exc:
             log.warning("could not return a token of %s: %s", seq_id, exc)
+
+    def _lost_peer(self, seq_id: str, reason: str) -> None:
+        """A peer of the plan is unreachable: the answer waits for the next plan rather
+        than failing (on another stage it stalls until the head moves it over)."""
+        log.warning("sequence %s: %s", seq_id, reason)
+        running = self._running.get(seq_id)
+        if running is not None and not running.done.done():
+            running.done.set_exception(PlanBroken(reason))
 
     async def _report_failure(self, seq_id: str, reason: str) -> None:
         if self.closed:
