@@ -1,71 +1,180 @@
 """What the network path costs, measured side by side in one run on this machine.
 
-1. Decode tokens/s of the built-in model run whole in one process (`peerd generate
-   --parts 1` path) and split over three real daemons on loopback (separate processes,
+1. Decode tokens/s of one model run whole in one process (the `peerd generate --parts 1`
+   path) and split over three real daemons on loopback (separate `peerd start` processes,
    CURVE-encrypted ZeroMQ, chat through the local socket), and their ratio (target >= 0.9).
+   The two alternate, one answer each per round, so load from other processes on the
+   machine hits both alike; the figures are medians over the rounds. The split's time per
+   token is divided into the stages' compute (each stage's own figures for the answer,
+   with the prefill step taken out by a one-token answer) and the rest: hops and hand-offs.
 2. Aggregate tokens/s with 1, 2, 4 and 8 sequences in flight at once.
 3. What direct residual messages save over piggybacking them along the ring: the bytes the
    stages in between would have relayed, and the time per token those relays would cost on
    the measured links (LinguaLinked: 0.011 s residual hop vs 0.25 s relayed).
 
-Note: the three daemons share this machine's cores, so the split figure is pessimistic.
+The model is a random Llama of a small home LLM's proportions (default 24 layers, hidden
+1024, vocab 32000: 1.3 GB of float32 weights, tens of ms per decoded token on a 2-core CPU);
+`--small` runs the built-in 8-layer, hidden-256 model instead, whose ~2.5 ms per token
+magnifies the per-hop overhead. The model and its units are kept under `--dir`, so a rerun
+with the same directory skips writing and sharding them. The daemons run with
+`--no-rebalance`: the whole-model rounds load the same cores, and a plan change in the
+middle of a measurement would measure the change instead.
 
-    .venv/bin/python -m bench.pipeline [--tokens 64] [--repeats 3] [--dir DIR]
+    .venv/bin/python -m bench.pipeline [--tokens 64] [--repeats 5] [--dir DIR] [--small]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from bench.llama_checkpoint import LlamaShape, write_llama
 from peerd.chat import stream_answer
 from peerd.generate import build_pipeline, generate
 from peerd.local_cluster import LocalCluster
+from peerd.local_pipeline import LocalPipeline
 from shards.builtin import write_builtin_model
+from shards.manifest import Manifest
 from shards.sampling import SamplingParams
 
 PROMPT = [1, 17, 42, 99, 7, 250, 31, 64]
+TARGET = 0.9
+PEERS = 3
+
+
+@dataclass
+class Round:
+    whole_tps: float
+    split_tps: float
+    stage_compute_s: float | None  # per decode step, summed over the stages
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=64, help="new tokens per answer")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per figure (median)")
-    parser.add_argument("--dir", help="working directory (default: a temporary one)")
-    args = parser.parse_args()
-    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="peerd-bench-"))
-    model_dir = write_builtin_model(root / "builtin-model")
-    with LocalCluster(root, model_dir, peers=3, progress=lambda line: None) as cluster:
-        shard_dir = cluster.dirs[0] / "shards" / cluster.manifest.key
-        whole = _median(args.repeats, lambda: _whole(cluster.manifest, shard_dir, args.tokens))
-        split = _median(args.repeats, lambda: _split(cluster.dirs[0], args.tokens))
-        print("decode tokens/s (built-in model, 8 layers, hidden 256)")
-        print(f"  whole, one process      {whole:9.1f}")
-        print(f"  split over 3 daemons    {split:9.1f}")
-        print(f"  ratio split / whole     {split / whole:9.2f}   (target >= 0.9)")
-        print("\naggregate tokens/s with N sequences in flight (3 daemons)")
+    args = _parser().parse_args()
+    if args.dir:
+        _bench(Path(args.dir), args)
+        return
+    with tempfile.TemporaryDirectory(prefix="peerd-bench-") as root:
+        _bench(Path(root), args)
+
+
+def _bench(root: Path, args: argparse.Namespace) -> None:
+    model_dir, label = _model(root, args)
+    started = time.monotonic()
+    with LocalCluster(root, model_dir, peers=PEERS, progress=_note,
+                      extra=("--no-rebalance",)) as cluster:
+        _note(f"cluster ready after {time.monotonic() - started:.0f}s; measuring")
+        weights = _weights_mb(cluster.manifest)
+        print(f"model: {label}; {weights:.0f} MB of weights ({weights / 4:.0f} M parameters) "
+              f"in {len(cluster.manifest.units)} units")
+        print(f"plan: {_plan(cluster)}")
+        print(f"load average before: {_load()}")
+        _whole_vs_split(cluster, args.tokens, args.repeats)
+        print(f"\naggregate tokens/s with N sequences in flight (3 daemons), "
+              f"{args.tokens} tokens each")
         for count in (1, 2, 4, 8):
             print(f"  N={count}  {_concurrent(cluster.dirs, count, args.tokens):9.1f}")
         _residuals(cluster)
+        print(f"\nload average after: {_load()}")
 
 
-def _median(repeats: int, measure) -> float:
-    return statistics.median(measure() for _ in range(repeats))
+def _whole_vs_split(cluster: LocalCluster, tokens: int, repeats: int) -> None:
+    manifest, head_dir = cluster.manifest, cluster.dirs[0]
+    whole = build_pipeline(manifest, head_dir / "shards" / manifest.key, 1)
+    _warm_up(whole, manifest, head_dir)
+    _print_ratio([_round(whole, manifest, head_dir, tokens) for _ in range(repeats)], tokens)
 
 
-def _whole(manifest, shard_dir: Path, tokens: int) -> float:
-    pipeline = build_pipeline(manifest, shard_dir, 1)
-    run = generate(pipeline, manifest, PROMPT, tokens, SamplingParams(), stop_at_eos=False)
-    return run.stats["decode_tokens_per_second"]
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=64, help="new tokens per answer")
+    parser.add_argument("--repeats", type=int, default=5, help="whole/split rounds (median)")
+    parser.add_argument("--dir", help="working directory, kept and reused by later runs "
+                        "(default: a temporary one, removed at the end)")
+    parser.add_argument("--small", action="store_true",
+                        help="the built-in 8-layer, hidden-256 model instead")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    return parser
 
 
-def _split(state_dir: Path, tokens: int) -> float:
-    done = stream_answer(state_dir, {"prompt_ids": PROMPT, "max_tokens": tokens})
-    return done["stats"]["tokens_per_second"]
+def _model(root: Path, args: argparse.Namespace) -> tuple[Path, str]:
+    if args.small:
+        return write_builtin_model(root / "builtin-model"), "built-in, 8 layers, hidden 256"
+    shape = LlamaShape(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads)
+    model_dir = root / f"llama-{shape.layers}x{shape.hidden}"
+    if not (model_dir / "config.json").exists():  # written last: its presence means complete
+        _note(f"writing a random Llama checkpoint: {shape}")
+        write_llama(model_dir, shape)
+    return model_dir, (f"random Llama, {shape.layers} layers, hidden {shape.hidden}, "
+                       f"intermediate {shape.intermediate}, {shape.heads} heads "
+                       f"({shape.kv_heads} K/V), vocab {shape.vocab}, float32")
+
+
+def _weights_mb(manifest: Manifest) -> float:
+    return sum(unit.weight_bytes for unit in manifest.units) / 1e6
+
+
+def _plan(cluster: LocalCluster) -> str:
+    stages = cluster.status(0)["plan"]["stages"]
+    return ", ".join(f"units {s['units'][0]}-{s['units'][-1]}" for s in stages)
+
+
+def _warm_up(whole: LocalPipeline, manifest: Manifest, head_dir: Path) -> None:
+    """One short answer each way: first runs allocate and fault in the weights."""
+    generate(whole, manifest, PROMPT, 4, SamplingParams(), stop_at_eos=False)
+    stream_answer(head_dir, {"prompt_ids": PROMPT, "max_tokens": 4})
+
+
+def _round(whole: LocalPipeline, manifest: Manifest, head_dir: Path, tokens: int) -> Round:
+    run = generate(whole, manifest, PROMPT, tokens, SamplingParams(), stop_at_eos=False)
+    done = _ask(head_dir, tokens)
+    prefill = _ask(head_dir, 1)  # the prefill step alone, to take out of the stages' compute
+    return Round(run.stats["decode_tokens_per_second"], done["tokens_per_second"],
+                 _decode_compute_s(done["stages"], prefill["stages"]))
+
+
+def _ask(head_dir: Path, tokens: int) -> dict:
+    return stream_answer(head_dir, {"prompt_ids": PROMPT, "max_tokens": tokens})["stats"]
+
+
+def _decode_compute_s(answer: list[dict], prefill: list[dict]) -> float | None:
+    """Seconds of compute per decode step, summed over the stages; None when a stage did
+    not report its costs."""
+    by_stage = {s["stage"]: s for s in prefill}
+    if {s["stage"] for s in answer} != set(by_stage) or len(by_stage) < PEERS:
+        return None
+    return sum((s["compute_s"] - by_stage[s["stage"]]["compute_s"]) / (s["steps"] - 1)
+               for s in answer)
+
+
+def _print_ratio(rounds: list[Round], tokens: int) -> None:
+    whole = 1e3 / statistics.median(r.whole_tps for r in rounds)
+    split = 1e3 / statistics.median(r.split_tps for r in rounds)
+    computes = [r.stage_compute_s for r in rounds if r.stage_compute_s is not None]
+    print(f"\ndecode, {tokens} tokens per answer, median of {len(rounds)} alternating rounds")
+    print(f"  whole, one process      {1e3 / whole:9.1f} tokens/s  {whole:7.2f} ms/token")
+    print(f"  split over 3 daemons    {1e3 / split:9.1f} tokens/s  {split:7.2f} ms/token")
+    if computes:
+        compute = statistics.median(computes) * 1e3
+        print(f"    stages computing                         {compute:7.2f} ms/token "
+              f"({compute - whole:+.2f} against whole)")
+        print(f"    hops and hand-offs                       {split - compute:7.2f} ms/token")
+    print(f"  network path cost                          {split - whole:7.2f} ms/token")
+    verdict = "meets" if whole / split >= TARGET else "MISSES"
+    print(f"  ratio split / whole     {whole / split:9.2f}   (target >= {TARGET}: {verdict})")
+    print("  rounds (whole / split tokens/s): "
+          + ", ".join(f"{r.whole_tps:.1f}/{r.split_tps:.1f}" for r in rounds))
 
 
 def _concurrent(dirs: list[Path], count: int, tokens: int) -> float:
@@ -117,6 +226,14 @@ def _residuals(cluster: LocalCluster) -> None:
 def _hop_s(links: dict, source: str, target: str, size: float) -> float:
     link = links[(source, target)]
     return link["latency_s"] + size / link["bandwidth_Bps"]
+
+
+def _load() -> str:
+    return ", ".join(f"{value:.2f}" for value in os.getloadavg()) + " (1, 5, 15 min)"
+
+
+def _note(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -286,8 +286,12 @@ class Transport:
         sock = link.socket(msg.CHANNEL) if link is not None else None
         if sock is None:
             raise TransportError(f"{peer_id} is not reachable")
+        sending = sock.send_multipart(protocol.encode(msg), copy=False)
+        if sending.done():  # queued at once, as almost always: no timer, no loop iteration
+            sending.result()
+            return
         try:
-            await asyncio.wait_for(sock.send_multipart(protocol.encode(msg), copy=False), timeout)
+            await asyncio.wait_for(sending, timeout)
         except TimeoutError:
             raise TransportError(f"{peer_id} took no {msg.KIND} for {timeout}s") from None
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
-from shards.executor import StageExecutor
+from shards.executor import ExecutorOptions, StageExecutor
 
 IDS = [3, 1, 4, 1, 5, 9, 2, 6]
 
@@ -93,3 +95,11 @@ def test_bad_use_gets_clear_errors(toy):
         stage.export_state("s", 0)
     with pytest.raises(ValueError, match="does not fit"):
         stage.import_state("s", 1, {"past_s": np.zeros((1, 2, 3, 4), np.float32)})
+
+
+@pytest.mark.parametrize(("threads", "expected"), [(0, len(os.sched_getaffinity(0))), (1, 1)])
+def test_thread_count_is_set_explicitly(toy, threads, expected):
+    # 0 must not reach ONNX Runtime: its own default pins pool threads to cores
+    _, manifest, directory = toy
+    stage = StageExecutor(manifest, directory, 0, 2, ExecutorOptions(threads=threads))
+    assert [s.get_session_options().intra_op_num_threads for s in stage._sessions] == [expected] * 3
