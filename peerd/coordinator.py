@@ -155,9 +155,9 @@ class Coordinator:
 
     async def _retry(self, epoch: int, report: ClusterReport) -> None:
         """With the model ready but no plan (peers were too loaded, on low battery...), try
-        again with the fresh figures; a new plan goes out when it differs."""
+        again with the fresh figures; a plan that works goes out."""
         plan = await self._new_plan(epoch, report)
-        if plan.stages or plan.problem != self.plan.problem:
+        if plan.stages:
             self._adopt(plan, "fresh figures")
 
     async def _rebalance(self, epoch: int, report: ClusterReport) -> None:

@@ -98,9 +98,14 @@ def _is_peerd(cmdline: list[str]) -> bool:
     return any(Path(arg).name == "peerd" for arg in cmdline[:3])
 
 
+# The most load a reading reports. Cores busy with other work still give peerd its fair
+# share of time, so a busy peer is slow, not unusable (the planner excludes load 1).
+MAX_LOAD = 0.9
+
+
 class LoadMeter:
-    """Fraction (0..1) of the cores this daemon may run on used by processes other than
-    peerd's, averaged since the previous reading."""
+    """Fraction (0..MAX_LOAD) of the cores this daemon may run on used by processes other
+    than peerd's, averaged since the previous reading."""
 
     def __init__(self, sample: Callable[[], CpuSample] = sample_cpu, cpus: int | None = None):
         self._sample = sample
@@ -115,7 +120,7 @@ class LoadMeter:
             return 0.0
         peerd = sum(s - last.peerd_s.get(pid, 0.0) for pid, s in now.peerd_s.items())
         others = (now.busy_s - last.busy_s) - peerd
-        return min(1.0, max(0.0, others / (wall * self._cpus)))
+        return min(MAX_LOAD, max(0.0, others / (wall * self._cpus)))
 
 
 def parse_battery(text: str) -> Battery:

@@ -59,7 +59,10 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: 
 
 
 class Network:
-    def __init__(self, size: int):
+    def __init__(self, size: int, rebalance: bool = False):
+        """`rebalance`: let the daemons move work as load changes (off by default: the
+        load of the test machine itself would move plans under tests of other things)."""
+        self.rebalance = rebalance
         self.token = secrets.token_hex(3)
         self.size = size
         self.bridge = f"pdbr{self.token}"
@@ -150,7 +153,7 @@ class Network:
         process = self.exec(
             i,
             [*PEERD, "start", "--state-dir", str(state_dir), "--interface", self.address(i),
-             *extra],
+             *([] if self.rebalance else ["--no-rebalance"]), *extra],
             stdout=log, stderr=subprocess.STDOUT,
         )
         peer = Peer(self, i, state_dir, process)
@@ -197,12 +200,13 @@ def cluster(
     state_dirs: list[Path],
     extra_args: dict[int, list[str]] | None = None,
     shaped_mbit: dict[int, float] | None = None,
+    rebalance: bool = False,
 ):
     """A network with one namespace and one running daemon per state dir (namespace i's
     egress first limited to ``shaped_mbit[i]``). On failure the daemons' logs are printed
     (pytest shows them); everything is removed in any case."""
     extra_args = extra_args or {}
-    with Network(len(state_dirs)) as network, logs_on_failure(network.peers):
+    with Network(len(state_dirs), rebalance) as network, logs_on_failure(network.peers):
         for i, rate in (shaped_mbit or {}).items():
             network.shape(i, rate)
         yield network, [

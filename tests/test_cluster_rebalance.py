@@ -49,7 +49,7 @@ def test_a_peer_on_low_battery_sheds_its_units_mid_answer_and_takes_work_back(lo
     args = {i: ["--memory-budget", budget, "--battery-file", str(batteries[i])]
             for i in range(3)}
     args[0] += ["--model", str(model_dir)]
-    with netns.cluster(dirs, args) as (_, peers):
+    with netns.cluster(dirs, args, rebalance=True) as (_, peers):
         plan = netns.wait_for(lambda: serving_plan(peers), DEPLOYED_S, "a serving plan")
         assert len(plan["stages"]) == 3, plan
         shedder = next(i for i, p in enumerate(peers) if p.id == plan["stages"][-1]["peer"])

@@ -8,6 +8,7 @@ import pytest
 
 from peerd.errors import PeerdError
 from peerd.monitor import (
+    MAX_LOAD,
     BatterySource,
     CpuSample,
     LoadMeter,
@@ -64,10 +65,12 @@ def test_load_counts_only_other_processes_cpu_time():
         CpuSample(busy_s=103.0, peerd_s={1: 11.0}, wall_s=2.0),  # 3 s busy, 1 of them ours
         CpuSample(busy_s=103.5, peerd_s={1: 11.5}, wall_s=3.0),  # all of it ours
         CpuSample(busy_s=110.0, peerd_s={1: 11.5}, wall_s=4.0),  # more than the machine: clamped
+        CpuSample(busy_s=111.0, peerd_s={1: 11.5, 2: 0.5}, wall_s=5.0),  # a new peerd process
     ), cpus=2)
     assert meter.read() == pytest.approx(0.5)
     assert meter.read() == pytest.approx(0.0)
-    assert meter.read() == 1.0
+    assert meter.read() == MAX_LOAD, "a busy peer is slow, never unusable"
+    assert meter.read() == pytest.approx(0.25)
 
 
 def test_cpu_samples_see_this_process_working():
