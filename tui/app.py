@@ -9,6 +9,7 @@ log, and a chat pane that streams answers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.message import Message
 from textual.widgets import Footer, Static
 
@@ -113,11 +115,12 @@ class DashboardApp(App):
     def on_new_event(self, message: NewEvent) -> None:
         if message.event.get("event") == "plan":
             self.plan_event = message.event
-        self.query_one(EventLog).add(message.event, names(self.status))
+        with contextlib.suppress(NoMatches):  # see _redraw
+            self.query_one(EventLog).add(message.event, names(self.status))
 
     def on_unreachable(self, message: Unreachable) -> None:
         self.trouble = message.reason
-        self._show_summary()
+        self._redraw()
 
     def on_chat_pane_answered(self, answered: ChatPane.Answered) -> None:
         stats = answered.done.get("stats") or {}
@@ -128,6 +131,11 @@ class DashboardApp(App):
     # -- drawing -------------------------------------------------------------------------------
 
     def _redraw(self) -> None:
+        # a status can come before the screen is composed, or after it closed
+        with contextlib.suppress(NoMatches):
+            self._draw()
+
+    def _draw(self) -> None:
         self._show_summary()
         status, known = self.status, names(self.status)
         if status is None:
