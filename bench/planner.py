@@ -9,13 +9,16 @@ generation, like LinguaLinked's testbed) in half the instances and 40x (a deskto
 laptops) in the other half; memory is scaled so the peers offer 1.5-3x what the model needs
 (never less than the largest unit); 40% of the peers are busy, some on battery; Wi-Fi and
 Ethernet links. Issue 3's targets for the milp solve time: 32 units x 4 peers <= 50 ms,
-80 x 8 <= 1 s, 160 x 16 <= 10 s (the median is compared). Latency at 160 x 16 takes about a
-minute per instance, so it runs on fewer instances.
+80 x 8 <= 1 s, 160 x 16 <= 10 s; both the median and the max over the instances must meet
+them, for both objectives. Instances are seeded, so a rerun solves the same ones. One solve
+before the timed ones warms the process up (imports, HiGHS loading), as in a running daemon.
+The machine's load average is printed before and after: the solve times are wall times.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -29,7 +32,7 @@ from planner.errors import Infeasible  # noqa: E402
 from planner.model import Battery, Cluster, Device, Link, Output, Unit, Workload  # noqa: E402
 from planner.solve import solve  # noqa: E402
 
-SIZES = ((32, 4, 0.05), (80, 8, 1.0), (160, 16, 10.0))  # units, peers, target median (s)
+SIZES = ((32, 4, 0.05), (80, 8, 1.0), (160, 16, 10.0))  # units, peers, target (s)
 VOCAB = 32000
 
 
@@ -91,10 +94,10 @@ def versus(best_tps: float, cluster: Cluster, workload: Workload, baseline: str)
 
 
 def timing_line(objective: str, times: list[float], target: float) -> str:
-    median = statistics.median(times)
-    verdict = "meets" if median <= target else "MISSES"
-    return (f"  milp {objective:10s} solve: median {1e3 * median:9.1f} ms  max "
-            f"{1e3 * max(times):9.1f} ms  ({len(times)} instances; target median <= "
+    median, most = statistics.median(times), max(times)
+    verdict = "meets" if most <= target else "MISSES"
+    return (f"  milp {objective:10s} solve: median {1e3 * median:8.1f} ms  max "
+            f"{1e3 * most:8.1f} ms  over {len(times)} instances  (target: median and max <= "
             f"{1e3 * target:.0f} ms: {verdict})")
 
 
@@ -111,8 +114,8 @@ def ratio_line(baseline: str, spread: float, ratios: list[float | None]) -> str:
 SPREADS = (3.0, 40.0)
 
 
-def run_size(rng: random.Random, units: int, peers: int, target: float, instances: int,
-             latency_instances: int) -> None:
+def run_size(rng: random.Random, units: int, peers: int, target: float,
+             instances: int) -> None:
     times: dict[str, list[float]] = {"throughput": [], "latency": []}
     ratios = {(b, s): [] for s in SPREADS for b in ("even", "memory")}
     for i in range(instances):
@@ -124,32 +127,36 @@ def run_size(rng: random.Random, units: int, peers: int, target: float, instance
         for baseline in ("even", "memory"):
             ratios[baseline, spread].append(
                 versus(plan.predicted.throughput_tps, cluster, workload, baseline))
-        if i < latency_instances:
-            times["latency"].append(quiet_solve(cluster, workload, "latency", "milp").solve_s)
+        times["latency"].append(quiet_solve(cluster, workload, "latency", "milp").solve_s)
     print(f"\n{units} units x {peers} peers")
     for objective, measured in times.items():
-        if measured:
-            print(timing_line(objective, measured, target))
+        print(timing_line(objective, measured, target))
     for (baseline, spread), found in ratios.items():
         print(ratio_line(baseline, spread, found))
 
 
+def warm_up() -> None:
+    """One untimed solve: the first in a process also pays for imports and loading HiGHS."""
+    rng = random.Random(0)
+    workload = llm_workload(rng, 8)
+    quiet_solve(home_cluster(rng, workload, 2, 3.0), workload, "throughput", "milp")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="5 instances per size, no latency at 160 x 16")
+    parser.add_argument("--quick", action="store_true", help="5 instances per size")
     parser.add_argument("--instances", type=int, default=20)
-    parser.add_argument("--latency-instances-160", type=int, default=3,
-                        help="instances solved for latency at 160 x 16 (default 3)")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     instances = 5 if args.quick else args.instances
     rng = random.Random(args.seed)
+    print(f"load average (1 min) before: {os.getloadavg()[0]:.2f}")
     print("reference: LinguaLinked 1.11-1.61x over even (its baseline); "
           "EdgeShard up to 2x throughput")
+    warm_up()
     for units, peers, target in SIZES:
-        latency = instances if units < 160 else (0 if args.quick else args.latency_instances_160)
-        run_size(rng, units, peers, target, instances, min(latency, instances))
+        run_size(rng, units, peers, target, instances)
+    print(f"\nload average (1 min) after: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

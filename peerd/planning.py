@@ -6,9 +6,11 @@ measured between those peers, and the model peer as the source (it holds unit 0 
 tokenizer). The workload is the model's manifest. KV is reserved for the model's maximum
 context, at most DEFAULT_CONTEXT tokens.
 
-The default solver is the exact MILP. If it fails, or has not finished after
-MILP_TIME_LIMIT_S, the EdgeShard DP solves instead, and the log says so. An Infeasible answer
-(the model does not fit) is final: no other solver can do better.
+The default solver is the exact one (`milp`). It gets MILP_TIME_LIMIT_S less SETTLE_S: if it
+has not proven its plan optimal by then, it returns the best plan found (its `solver` says it
+was cut short). If it fails, or still has no answer after MILP_TIME_LIMIT_S, the EdgeShard DP
+solves instead, and the log says so. An Infeasible answer (the model does not fit) is final:
+no other solver can do better.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ log = logging.getLogger("peerd.planning")
 
 DEFAULT_CONTEXT = 2048
 MILP_TIME_LIMIT_S = 10.0
+SETTLE_S = 1.0  # of the time limit, kept for scoring the plan found and its overlap plan
 FALLBACK_SOLVER = "dp"
 
 
@@ -74,11 +77,13 @@ async def solve_plan(
     solver: str = "milp",
     time_limit_s: float = MILP_TIME_LIMIT_S,
 ) -> pm.Plan:
-    """The plan `solver` finds (in a worker thread), or the DP's when that solver fails or
-    runs past `time_limit_s`. Raises Infeasible when no plan can hold the model."""
+    """The plan `solver` finds (in a worker thread; the best found when its search is cut
+    short), or the DP's when that solver fails or runs past `time_limit_s`. Raises Infeasible
+    when no plan can hold the model."""
+    search_s = max(time_limit_s - SETTLE_S, 0.0)
     try:
         return await asyncio.wait_for(
-            asyncio.to_thread(solve, cluster, workload, objective, solver), time_limit_s
+            asyncio.to_thread(solve, cluster, workload, objective, solver, search_s), time_limit_s
         )
     except Infeasible:
         raise

@@ -1,11 +1,11 @@
-"""Bounds the MILP starts from: a valid lower bound, and the value of the best quick plan.
+"""Quick bounds the exact methods start from: a valid lower bound, and quick plans.
 
-Lower: the work spread perfectly over every usable peer (throughput) or all of it on the
-fastest one (latency). Upper: the best valid plan among the even and memory baselines and
-EdgeShard's recurrence over three fixed peer orders (source first, then by speed, by memory,
-or each next peer the one with the quickest link from the last).
-Every stage of an optimal plan computes for at most the upper bound, which lets the MILP
-drop every longer block.
+Lower: for latency all the work on the fastest usable peer; for throughput the least T at
+which the peers' largest blocks could cover the work (`planner.reach` is exact for compute
+and memory, but limited in peers: this one is the fallback). Quick plans: the even and memory
+baselines and EdgeShard's recurrence over three fixed peer orders (source first, then by
+speed, by memory, or each next peer the one with the quickest link from the last); the best
+valid one is the first incumbent.
 """
 
 from __future__ import annotations
@@ -16,13 +16,11 @@ from collections.abc import Callable
 import numpy as np
 
 from planner.baselines import even_split, memory_split
-from planner.constraints import violations
 from planner.cost import (
     MEMORY_SLACK,
     capacity,
     memory_need,
     seconds_per_flop,
-    simulate,
     usable_devices,
 )
 from planner.dp import ordered_stages
@@ -77,25 +75,25 @@ def _nearest_first(cluster: Cluster, source: Device, others: list[Device]) -> li
     return order
 
 
-def upper_bound(cluster: Cluster, workload: Workload, objective: str) -> float:
-    """The objective of the best valid quick plan; inf when none is valid."""
+def quick_plans(cluster: Cluster, workload: Workload, objective: str) -> list[list[Stage]]:
+    """The plans of the baselines and of the fixed-order recurrences (some may be invalid)."""
     source = cluster.device(cluster.source)
     others = [d for d in usable_devices(cluster) if d.id != cluster.source]
     orders = [sorted(others, key=lambda d: seconds_per_flop(cluster, d)),
               sorted(others, key=lambda d: -d.memory_available),
               _nearest_first(cluster, source, others)]
-    candidates: list[Callable[[], list[Stage] | None]] = [
+    makers: list[Callable[[], list[Stage] | None]] = [
         lambda: even_split(cluster, workload, objective),
         lambda: memory_split(cluster, workload, objective),
         *(lambda order=order: ordered_stages(cluster, workload, objective, [source, *order])
           for order in orders),
     ]
-    best = math.inf
-    for make in candidates:
+    plans = []
+    for make in makers:
         try:
             stages = make()
         except Infeasible:
             continue
-        if stages and not violations(cluster, workload, stages):
-            best = min(best, simulate(cluster, workload, stages).objective(objective))
-    return best
+        if stages:
+            plans.append(stages)
+    return plans

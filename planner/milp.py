@@ -16,22 +16,25 @@ latency from below. Its plans, taken in increasing critical path and excluded on
 are scored by the simulator until no plan left could beat the best latency found; after a
 few rounds a model with start/finish times per device (big-M rows on hops and residual
 messages) settles it instead.
-Times are scaled so the lower bound is SCALE model units. Derivation: docs/planner.md.
+Times are scaled so the lower bound is SCALE model units; the incumbent's objective caps the
+model's (a cutoff) and prunes blocks. Every plan found is offered to the incumbent, which is
+what the caller keeps. Derivation: docs/planner.md.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from planner.blocks import SCALE, Bounds, candidate_blocks
-from planner.bounds import lower_bound, upper_bound
-from planner.cost import critical_path_s, simulate, usable_devices
-from planner.errors import Infeasible
+from planner.bounds import lower_bound
+from planner.cost import critical_path_s
+from planner.deadline import Deadline, TimeUp
+from planner.incumbent import Incumbent
 from planner.mip import Mip
 from planner.model import Cluster, Stage, Workload
+from planner.paths import ring
 
 CUTOFF = 1 + 1e-6  # the objective may not exceed the upper bound (times this)
 
@@ -46,15 +49,12 @@ class _Residual:
 
 
 class _Formulation:
-    def __init__(self, cluster: Cluster, workload: Workload, objective: str,
-                 upper: float = math.inf, waits: bool = False) -> None:
+    def __init__(self, cluster: Cluster, workload: Workload, objective: str, lower: float,
+                 upper: float, waits: bool = False) -> None:
         self.cluster, self.workload, self.throughput = cluster, workload, objective == "throughput"
-        self.devices = [cluster.device(cluster.source)] + [
-            d for d in usable_devices(cluster) if d.id != cluster.source
-        ]
+        self.devices = ring(cluster)
         self.U, self.D = len(workload.units), len(self.devices)
-        self.tau = lower_bound(cluster, workload, objective) / SCALE
-        upper = min(upper, upper_bound(cluster, workload, objective))
+        self.tau = lower / SCALE
         self.upper = upper / self.tau
         sizes = [o.bytes for u in workload.units for o in u.outputs]
         self.bytes_ref = max(sum(sizes), workload.return_bytes, 1.0)
@@ -294,11 +294,20 @@ class _Formulation:
                np.stack([np.ones(n), -np.ones(n), -self.final_back], axis=-1), lo=0)
 
     # -- solve ------------------------------------------------------------------------------
-    def solve(self) -> list[Stage] | None:
-        """The optimal stages, or None when no plan is left."""
-        x = self.m.solve(self.objective)
-        if x is None:
-            return None
+    def solve(self, best: Incumbent, deadline: Deadline) -> list[Stage] | None:
+        """The optimal stages (None when no plan is left), offered to `best`. Raises TimeUp,
+        after offering the best solution found, when the deadline passes first."""
+        if deadline.passed():
+            raise TimeUp
+        outcome = self.m.solve(self.objective, time_limit=deadline.left())
+        stages = None if outcome.x is None else self._stages(outcome.x)
+        if stages:
+            best.offer(stages)
+        if not outcome.complete:
+            raise TimeUp
+        return stages
+
+    def _stages(self, x: np.ndarray) -> list[Stage]:
         chosen = np.nonzero(x[self.b] > 0.5)[0]
         chosen = chosen[np.argsort(self.start[chosen])]
         return [Stage(self.devices[self.dev[a]].id, int(self.start[a]), int(self.stop[a]))
@@ -313,38 +322,28 @@ class _Formulation:
         self.m.row([self.L], [1.0], hi=latency_s / self.tau * CUTOFF)
 
 
-NO_PLAN = ("no plan fits: no contiguous split of the units over the usable peers respects "
-           "every peer's memory over the links that exist")
-ROUNDS = 4  # critical-path plans tried before the model with waits
+ROUNDS = 4  # critical-path plans scored before the model with waits
 
 
-def solve_milp(cluster: Cluster, workload: Workload, objective: str) -> list[Stage]:
-    """Stages minimising `objective` exactly under the full cost model."""
-    model = _Formulation(cluster, workload, objective)
-    stages = model.solve()
-    if stages is None:
-        raise Infeasible(NO_PLAN)
-    if objective == "throughput":
-        return stages
-    return _least_latency(cluster, workload, model, stages)
+def milp_throughput(cluster: Cluster, workload: Workload, lower: float, best: Incumbent,
+                    deadline: Deadline) -> None:
+    """Improve `best` to the plan of least bottleneck, given a lower bound on it."""
+    _Formulation(cluster, workload, "throughput", lower, best.value).solve(best, deadline)
 
 
-def _least_latency(cluster: Cluster, workload: Workload, model: _Formulation,
-                   stages: list[Stage]) -> list[Stage]:
-    """Critical-path plans in increasing order, each scored with its waits, until none left
-    could beat the best (every plan's latency is at least its critical path); after ROUNDS,
-    the model with start and finish times settles it."""
-    best, best_s = stages, simulate(cluster, workload, stages).latency_s
+def milp_latency(cluster: Cluster, workload: Workload, best: Incumbent,
+                 deadline: Deadline) -> None:
+    """Improve `best` to the plan of least latency: critical-path plans in increasing order,
+    each scored with its waits, until none left could beat the best (every plan's latency is
+    at least its critical path); after ROUNDS, the model with start and finish times."""
+    lower = lower_bound(cluster, workload, "latency")
+    model = _Formulation(cluster, workload, "latency", lower, best.value)
+    stages = model.solve(best, deadline)
     for _ in range(ROUNDS):
-        path_s = critical_path_s(cluster, workload, stages)
-        latency_s = simulate(cluster, workload, stages).latency_s
-        if latency_s < best_s:
-            best, best_s = stages, latency_s
-        if path_s >= best_s * (1 - 1e-12):
-            return best  # no plan left has a shorter critical path than the best's latency
-        model.exclude(stages, best_s)
-        stages = model.solve()
-        if stages is None:
-            return best
-    waits = _Formulation(cluster, workload, "latency", upper=best_s, waits=True).solve()
-    return waits or best
+        if stages is None or critical_path_s(cluster, workload, stages) >= best.value * (1 - 1e-12):
+            return
+        model.exclude(stages, best.value)
+        stages = model.solve(best, deadline)
+    if stages is not None:
+        _Formulation(cluster, workload, "latency", lower, best.value, waits=True).solve(
+            best, deadline)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
@@ -9,6 +11,12 @@ from scipy.sparse import coo_matrix
 from planner.errors import PlannerError
 
 INF = np.inf
+
+
+@dataclass(frozen=True)
+class Outcome:
+    x: np.ndarray | None  # the best solution found; None when there is none
+    complete: bool  # False: the time limit stopped the search (x may be None or not optimal)
 
 
 class Mip:
@@ -72,8 +80,10 @@ class Mip:
         self._hi.append(np.broadcast_to(np.asarray(hi, dtype=float), (count,)))
         self._nrows += count
 
-    def solve(self, cost: dict[int, float], maximize: bool = False) -> np.ndarray | None:
-        """The exact optimum (relative gap 0) as variable values; None when infeasible.
+    def solve(self, cost: dict[int, float], maximize: bool = False,
+              time_limit: float | None = None) -> Outcome:
+        """The exact optimum (relative gap 0) as variable values (None when infeasible), or
+        the best solution found when `time_limit` seconds pass first.
 
         HiGHS presolve stays off: on these models it has reported wrong optima as optimal
         (found by tests/test_planner_properties.py; HiGHS issues #1725, #3094).
@@ -100,6 +110,8 @@ class Mip:
         fixed = np.fromiter(self._fixed, dtype=np.int64, count=len(self._fixed))
         lb[fixed] = ub[fixed] = np.fromiter(self._fixed.values(), dtype=float, count=len(fixed))
         options = {"mip_rel_gap": 0.0, "presolve": False}
+        if time_limit is not None:
+            options["time_limit"] = time_limit
         result = milp(
             c,
             integrality=np.concatenate(self._integer),
@@ -108,7 +120,9 @@ class Mip:
             options=options,
         )
         if result.status == 2:
-            return None
+            return Outcome(None, complete=True)
+        if result.status == 1 and time_limit is not None:
+            return Outcome(result.x, complete=False)
         if result.status != 0:
             raise PlannerError(f"the MILP solver stopped without an optimum: {result.message}")
-        return result.x
+        return Outcome(result.x, complete=True)

@@ -42,7 +42,7 @@ def movable_units(cluster: Cluster, workload: Workload,
         m.row(away, np.ones(len(away)), hi=len(stage.units) - 1)
     gain = {int(v): workload.units[u].weight_bytes + 1
             for units, variables in tails + heads for u, v in zip(units, variables, strict=True)}
-    x = m.solve(gain, maximize=True)
+    x = m.solve(gain, maximize=True).x
     kept = [_join(tails[s], heads[s]) for s in range(count)]
     return tuple(tuple(int(u) for u, v in zip(*pair, strict=True) if x[v] > 0.5)
                  for pair in kept)

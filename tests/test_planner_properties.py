@@ -2,11 +2,14 @@
 
 The oracle enumerates every plan: each sequence of distinct usable peers starting at the
 source, and each way to cut the units into that many contiguous non-empty ranges.
+Workloads come in two kinds: any residual outputs (the MILP settles latency), and sharded
+models' shape, residuals from unit 0 only (the search over peer sets settles latency).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import replace
 
 import pytest
@@ -14,8 +17,17 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from planner.constraints import violations
-from planner.cost import capacity, critical_path_s, memory_need, simulate, usable_devices
+from planner.cost import (
+    capacity,
+    critical_path_s,
+    memory_need,
+    simulate,
+    stage_compute_s,
+    usable_devices,
+)
+from planner.deadline import Deadline
 from planner.errors import Infeasible
+from planner.lagrange import relax, tighten
 from planner.model import (
     OBJECTIVES,
     Battery,
@@ -27,6 +39,8 @@ from planner.model import (
     Unit,
     Workload,
 )
+from planner.paths import path_model
+from planner.reach import least_compute_bottleneck
 from planner.solve import SOLVERS, solve
 
 PROPERTY = settings(max_examples=500, deadline=None,
@@ -94,12 +108,34 @@ def workloads(draw) -> Workload:
         if later and draw(st.booleans()):
             consumers = draw(st.lists(st.sampled_from(later), min_size=1, max_size=4, unique=True))
             outputs.append(Output(draw(st.floats(0, 2e6)), tuple(sorted(consumers))))
-        units.append(Unit(
-            flops=draw(st.floats(1e6, 2e10)),
-            weight_bytes=draw(st.floats(0, 5e8)),
-            kv_bytes_per_token=draw(st.floats(0, 5e4)),
-            outputs=tuple(outputs),
-        ))
+        units.append(_unit(draw, outputs))
+    return Workload(tuple(units), return_bytes=draw(st.floats(0, 1e5)))
+
+
+def _unit(draw, outputs: list[Output]) -> Unit:
+    return Unit(
+        flops=draw(st.floats(1e6, 2e10)),
+        weight_bytes=draw(st.floats(0, 5e8)),
+        kv_bytes_per_token=draw(st.floats(0, 5e4)),
+        outputs=tuple(outputs),
+    )
+
+
+@st.composite
+def sharded_workloads(draw) -> Workload:
+    """A sharded model's shape: each unit hands its output to the next; only unit 0 sends
+    outputs further (rotary tables, masks), to any later units."""
+    count = draw(st.integers(1, 12))
+    units = []
+    for u in range(count):
+        outputs = []
+        if u + 1 < count and draw(st.integers(0, 9)) < 9:
+            outputs.append(Output(draw(st.floats(0, 2e6)), (u + 1,)))
+        for _ in range(draw(st.integers(0, 2)) if u == 0 and count > 1 else 0):
+            consumers = draw(st.lists(st.integers(1, count - 1), min_size=1, max_size=4,
+                                      unique=True))
+            outputs.append(Output(draw(st.floats(0, 2e6)), tuple(sorted(consumers))))
+        units.append(_unit(draw, outputs))
     return Workload(tuple(units), return_bytes=draw(st.floats(0, 1e5)))
 
 
@@ -162,9 +198,31 @@ def overlap_problems(cluster: Cluster, workload: Workload, plan) -> list[str]:
     return found
 
 
+def least_compute(cluster: Cluster, workload: Workload) -> float | None:
+    """The least largest stage compute over the plans that fit memory (links ignored)."""
+    return min((max(stage_compute_s(cluster, workload, s) for s in stages)
+                for stages in every_plan(cluster, workload) if fits(cluster, workload, stages)),
+               default=None)
+
+
+def fits(cluster: Cluster, workload: Workload, stages: list[Stage]) -> bool:
+    return all(sum(memory_need(cluster, workload.units[u]) for u in stage.units)
+               <= capacity(cluster, cluster.device(stage.peer)) * (1 + 1e-9) for stage in stages)
+
+
 @PROPERTY
 @given(clusters(), workloads())
 def test_milp_equals_exhaustive_search_for_both_objectives(cluster, workload):
+    assert_milp_optimal(cluster, workload)
+
+
+@PROPERTY
+@given(clusters(), sharded_workloads())
+def test_milp_equals_exhaustive_search_on_sharded_models(cluster, workload):
+    assert_milp_optimal(cluster, workload)
+
+
+def assert_milp_optimal(cluster: Cluster, workload: Workload) -> None:
     best = exhaustive(cluster, workload)
     for objective in OBJECTIVES:
         if best[objective] is None:
@@ -179,6 +237,30 @@ def test_milp_equals_exhaustive_search_for_both_objectives(cluster, workload):
         assert violations(cluster, workload, plan.stages) == []
         assert plan.predicted == simulate(cluster, workload, plan.stages)
         assert plan.predicted.objective(objective) == pytest.approx(best[objective], rel=1e-6)
+        assert plan.solver == "milp"
+
+
+@PROPERTY
+@given(clusters(), sharded_workloads())
+def test_the_exact_methods_bounds_hold(cluster, workload):
+    """The compute-only bottleneck is the least over the plans that fit memory, and the
+    latency's relaxation bounds the least latency from below, tightened (peers made critical
+    until its optimum uses none twice) or not."""
+    if cluster.device(cluster.source) not in usable_devices(cluster):
+        return  # solve() refuses such a cluster before any method runs
+    compute = least_compute(cluster, workload)
+    found = least_compute_bottleneck(cluster, workload)
+    assert (found is None) == (compute is None)
+    if found is not None:
+        assert found.bottleneck == pytest.approx(compute, rel=1e-9)
+        assert max(stage_compute_s(cluster, workload, s) for s in found.stages) == \
+            pytest.approx(compute, rel=1e-9)
+    latency = exhaustive(cluster, workload)["latency"]
+    if latency is not None:
+        model = path_model(cluster, workload)
+        relaxed = relax(model, latency, lambda blocks: latency, Deadline())
+        tightened = tighten(relaxed, model, math.inf, lambda blocks: math.inf, Deadline())
+        assert relaxed.bound <= tightened.bound <= latency * (1 + 1e-9)
 
 
 @PROPERTY

@@ -1,4 +1,5 @@
-"""Solvers on hand-made clusters: baselines, EdgeShard's DP, the overlap plan, solve()'s errors."""
+"""Solvers on hand-made clusters: baselines, EdgeShard's DP, the exact methods, the overlap
+plan, solve()'s errors."""
 
 from __future__ import annotations
 
@@ -6,10 +7,15 @@ import pytest
 
 from planner import milp
 from planner.baselines import proportional_counts
-from planner.cost import critical_path_s, simulate
+from planner.cost import critical_path_s, simulate, stage_compute_s
+from planner.deadline import Deadline
 from planner.errors import Infeasible, InvalidInput, PlannerError
+from planner.incumbent import Incumbent
 from planner.model import Cluster, Device, Link, Output, Stage, Unit, Workload
 from planner.overlap import movable_units
+from planner.paths import path_model
+from planner.reach import least_compute_bottleneck
+from planner.search import settle_latency
 from planner.solve import solve
 
 MB, MS = 1e6, 1e-3
@@ -101,12 +107,67 @@ def test_milp_latency_counts_the_wait_for_a_late_residual():
     assert dp.predicted.latency_s > plan.predicted.latency_s
 
 
+def search_latency(cluster: Cluster, workload: Workload, best: Incumbent) -> None:
+    settle_latency(path_model(cluster, workload), best, Deadline())
+
+
+def milp_latency(cluster: Cluster, workload: Workload, best: Incumbent) -> None:
+    milp.milp_latency(cluster, workload, best, Deadline())
+
+
+@pytest.mark.parametrize("method", [search_latency, milp_latency])
+def test_both_exact_latency_methods_count_the_wait(method):
+    """solve() takes the search here (residuals come from unit 0 only); the MILP, which
+    handles any residuals, must agree."""
+    cluster, workload = late_residual()
+    best = Incumbent(cluster, workload, "latency")
+    method(cluster, workload, best)
+    assert [s.peer for s in best.stages] == ["a", "b", "d"]
+    assert best.value == pytest.approx(0.304, rel=1e-3)
+
+
 def test_the_model_with_waits_finds_the_same_plan(monkeypatch):
     monkeypatch.setattr(milp, "ROUNDS", 0)  # skip scoring critical-path plans one by one
     cluster, workload = late_residual()
-    plan = solve(cluster, workload, "latency", "milp")
-    assert [s.peer for s in plan.stages] == ["a", "b", "d"]
-    assert plan.predicted.latency_s == pytest.approx(0.304, rel=1e-3)
+    best = Incumbent(cluster, workload, "latency")
+    milp_latency(cluster, workload, best)
+    assert [s.peer for s in best.stages] == ["a", "b", "d"]
+    assert best.value == pytest.approx(0.304, rel=1e-3)
+
+
+def slow_link() -> tuple[Cluster, Workload]:
+    """Four units of 0.1 s on a and c; b computes four times faster, but every link to it
+    carries a unit's 4 MB output at 10 MB/s (0.4 s); a and c are linked at 1 GB/s."""
+    devices = (Device("a", 1e10, 1.2e9 / 0.7), Device("b", 4e10, 1.2e9 / 0.7),
+               Device("c", 1e10, 1.2e9 / 0.7))
+    links = (Link("a", "b", MS, 1e7), Link("a", "c", MS, 1e9), Link("b", "c", MS, 1e7))
+    return Cluster("a", devices, links, context=0), uniform_with(4, output=4 * MB)
+
+
+def uniform_with(count: int, output: float) -> Workload:
+    return Workload(tuple(
+        Unit(1e9, 100 * MB, 0, (Output(output, (u + 1,)),) if u + 1 < count else ())
+        for u in range(count)
+    ), return_bytes=8)
+
+
+def test_the_compute_bound_sees_compute_and_memory_alone():
+    cluster, workload = slow_link()
+    found = least_compute_bottleneck(cluster, workload)
+    # the source holds unit 0 (0.1 s); b takes the rest in 0.075 s: no split computes faster
+    assert found.bottleneck == pytest.approx(0.1)
+    assert max(stage_compute_s(cluster, workload, s) for s in found.stages) == \
+        pytest.approx(0.1)
+    assert "b" in [s.peer for s in found.stages]
+    assert simulate(cluster, workload, found.stages).bottleneck_s == pytest.approx(0.4)
+
+
+def test_a_link_the_compute_bound_cannot_see_is_settled_by_the_milp():
+    cluster, workload = slow_link()
+    plan = solve(cluster, workload, "throughput", "milp")
+    assert [(s.peer, len(s.units)) for s in plan.stages] == [("a", 2), ("c", 2)]
+    assert plan.predicted.bottleneck_s == pytest.approx(0.2)
+    assert plan.solver == "milp"
 
 
 def overlap_case(memories: tuple[float, ...], stages: int = 2) -> tuple:
