@@ -27,10 +27,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from peerd.pipeline import Generation, StageWorker, TokenSampler
+from peerd.pipeline import Generation, StageWorker, StepDone, TokenSampler
 from peerd.protocol import (
     SequenceDrop,
     SequenceFailed,
@@ -94,13 +94,11 @@ class _SequenceCost:
     sequential_bytes: int = 0
     residual_bytes: int = 0
 
-
-@dataclass
-class _Costs:
-    by_sequence: dict[str, _SequenceCost] = field(default_factory=dict)
-
-    def of(self, seq_id: str) -> _SequenceCost:
-        return self.by_sequence.setdefault(seq_id, _SequenceCost())
+    def add(self, done: StepDone) -> None:
+        self.steps += 1
+        self.compute_s += done.compute_s
+        self.sequential_bytes += done.sequential_bytes
+        self.residual_bytes += done.residual_bytes
 
 
 class DataPlane:
@@ -126,7 +124,7 @@ class DataPlane:
         self.closed = False
         self._running: dict[str, _Running] = {}
         self._live: set[str] = set()  # sequences whose K/V this plane may hold
-        self._costs = _Costs()
+        self._costs: dict[str, _SequenceCost] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{self.stage}")
         self._tasks: set[asyncio.Task] = set()
@@ -239,7 +237,7 @@ class DataPlane:
             return None
 
     def _cost_here(self, req: int, seq_id: str) -> SequenceStats:
-        cost = self._costs.by_sequence.get(seq_id, _SequenceCost())
+        cost = self._costs.get(seq_id, _SequenceCost())
         return SequenceStats(req, cost.steps, cost.compute_s, cost.transfer_s,
                              cost.sequential_bytes, cost.residual_bytes, self.worker.fp16_wire)
 
@@ -308,27 +306,19 @@ class DataPlane:
     async def _run(self, seq_id: str, step: int, inputs: dict) -> None:
         loop = asyncio.get_running_loop()
         self._live.add(seq_id)
-        cost = self._costs.of(seq_id)
         try:
-            done, seconds = await loop.run_in_executor(
-                self._compute, _timed, self.worker.run, seq_id, step, inputs
-            )
+            done = await loop.run_in_executor(self._compute, self.worker.run, seq_id, step, inputs)
         except Exception as exc:  # ONNX Runtime's errors derive from Exception alone
             await self._report_failure(seq_id, f"stage {self.stage}, step {step}: {exc}")
             return
         if seq_id in self._ended or self.closed:
             self.worker.drop(seq_id)
             return
-        cost.steps += 1
-        cost.compute_s += seconds
+        cost = self._costs.setdefault(seq_id, _SequenceCost())
+        cost.add(done)
         started = time.perf_counter()
         try:
             for out in done.outgoing:
-                size = sum(t.nbytes for t in out.message.tensors.values())
-                if out.target == self.stage + 1:
-                    cost.sequential_bytes += size
-                else:
-                    cost.residual_bytes += size
                 await self.transport.deliver(
                     self.peers[out.target], out.message, self.limits.send_timeout_s
                 )
@@ -375,7 +365,7 @@ class DataPlane:
         while len(self._ended) > _ENDED_MEMORY:
             self._ended.popitem(last=False)
         self._live.discard(seq_id)
-        self._costs.by_sequence.pop(seq_id, None)
+        self._costs.pop(seq_id, None)
         self.sampler.close(seq_id)
         self.worker.drop(seq_id)
 
@@ -399,8 +389,3 @@ class DataPlane:
         for seq_id in list(self._live | set(self._running)):
             self._forget(seq_id)
 
-
-def _timed(function, *args):
-    started = time.perf_counter()
-    result = function(*args)
-    return result, time.perf_counter() - started

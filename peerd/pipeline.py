@@ -30,6 +30,7 @@ Tensors = dict[str, np.ndarray]
 class Outgoing:
     target: int
     message: StageData
+    nbytes: int  # of the tensors it carries
 
 
 @dataclass
@@ -52,6 +53,9 @@ class StepDone:
     step: int
     outgoing: list[Outgoing]
     logits: np.ndarray | None  # on the stage that computes them, for the sampler
+    compute_s: float  # running the units
+    sequential_bytes: int  # sent to the next stage
+    residual_bytes: int  # sent to later stages
 
 
 class StageWorker:
@@ -98,12 +102,26 @@ class StageWorker:
         """Run the stage's units on complete inputs and build the messages to send."""
         started = time.perf_counter()
         outputs = self.executor.step(seq_id, {n: inputs[n] for n in self.executor.inputs})
-        self.counters.compute_s += time.perf_counter() - started
+        seconds = time.perf_counter() - started
         available = {**inputs, **outputs}
         outgoing = [self._message(seq_id, step, route, available) for route in self.routes.sends]
-        self.counters.steps += 1
         logits = outputs[self.routes.returns[0]] if self.routes.returns else None
-        return StepDone(self.stage, seq_id, step, outgoing, logits)
+        sequential = sum(o.nbytes for o in outgoing if o.target == self.stage + 1)
+        done = StepDone(self.stage, seq_id, step, outgoing, logits, seconds, sequential,
+                        sum(o.nbytes for o in outgoing) - sequential)
+        self._count(done)
+        return done
+
+    def _count(self, done: StepDone) -> None:
+        counters = self.counters
+        counters.steps += 1
+        counters.compute_s += done.compute_s
+        counters.sequential_bytes += done.sequential_bytes
+        counters.residual_bytes += done.residual_bytes
+        for out in done.outgoing:
+            if out.target != self.stage + 1:
+                by_target = counters.residual_bytes_by_target
+                by_target[out.target] = by_target.get(out.target, 0) + out.nbytes
 
     def drop(self, seq_id: str) -> None:
         """Free the sequence's K/V and anything buffered for it."""
@@ -113,15 +131,8 @@ class StageWorker:
 
     def _message(self, seq_id: str, step: int, route: Route, available: Tensors) -> Outgoing:
         tensors = {name: self._wire(available[name]) for name in route.names}
-        size = sum(t.nbytes for t in tensors.values())
-        if route.target == self.stage + 1:
-            self.counters.sequential_bytes += size
-        else:
-            self.counters.residual_bytes += size
-            by_target = self.counters.residual_bytes_by_target
-            by_target[route.target] = by_target.get(route.target, 0) + size
         message = StageData(plan=self.plan, seq_id=seq_id, step=step, tensors=tensors)
-        return Outgoing(route.target, message)
+        return Outgoing(route.target, message, sum(t.nbytes for t in tensors.values()))
 
     def _wire(self, array: np.ndarray) -> np.ndarray:
         if self.fp16_wire and array.dtype == np.float32:
