@@ -12,7 +12,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
-from toy_units import ToyModel, write_toy
+from toy_units import ToyModel, logits_after_unit0, write_toy
 from waiting import eventually
 
 from peerd import protocol
@@ -22,7 +22,6 @@ from peerd.protocol import PlanAssignment, PlanFigures, PlanStage, UnitChunkRequ
 from peerd.transport import Endpoint, Transport, TransportError
 from peerd.unit_store import UnitStore
 from peerd.unit_transfer import FETCH_ATTEMPTS, ChunkServer, TransferError, fetch_unit
-from shards.executor import StageExecutor
 
 SECRET = ClusterSecret(b"d" * 32)
 HOST = "127.0.0.1"
@@ -227,10 +226,7 @@ async def test_a_peer_pulls_only_missing_units_refetches_corrupt_ones_and_loads_
     assert any(r.state == "fetching" and r.total == head.file_bytes for r in reports)
 
     ids = [3, 1, 4]
-    request = {"input_ids": np.array([ids], np.int64),
-               "position_ids": np.arange(len(ids), dtype=np.int64)[None]}
-    first = StageExecutor(manifest, tmp_path / "model", 0, 0).step("s", request)
-    logits = deployment.executor.step("s", first)["logits"][0]
+    logits = logits_after_unit0(manifest, tmp_path / "model", deployment.executor, ids)
     np.testing.assert_allclose(logits, toy.logits(ids), rtol=1e-5, atol=1e-5)
 
 

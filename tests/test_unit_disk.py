@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from netns import wait_for
 from sharding import reference
-from toy_units import ToyModel, write_toy
+from toy_units import ToyModel, logits_after_unit0, write_toy
 from waiting import eventually
 
 from peerd.chat import stream_answer
@@ -33,7 +33,6 @@ from peerd.local_cluster import LocalCluster
 from peerd.protocol import PlanAssignment, PlanFigures, PlanStage, UnitChunkRequest
 from peerd.unit_store import StoreError, UnitStore, file_sha256
 from peerd.unit_transfer import CHUNK_BYTES, ChunkServer, fetch_unit
-from shards.executor import StageExecutor
 
 CHUNK = 64 * 1024
 
@@ -101,10 +100,7 @@ async def test_a_cached_unit_that_does_not_match_its_hash_is_fetched_again_never
     assert server.offsets[0] == 100, "unit 1 resumed from its partial file"
     assert server.offsets.count(0) == 2, "then unit 1 was fetched whole, and the head once"
     ids = [3, 1, 4]
-    request = {"input_ids": np.array([ids], np.int64),
-               "position_ids": np.arange(len(ids), dtype=np.int64)[None]}
-    first = StageExecutor(manifest, tmp_path / "model", 0, 0).step("s", request)
-    logits = deployment.executor.step("s", first)["logits"][0]
+    logits = logits_after_unit0(manifest, tmp_path / "model", deployment.executor, ids)
     np.testing.assert_allclose(logits, toy.logits(ids), rtol=1e-5, atol=1e-5)
     assert not np.allclose(logits, other.logits(ids), atol=1e-3), "the impostor differs"
     await deployment.close()

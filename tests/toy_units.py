@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from shards.executor import StageExecutor
 from shards.manifest import (
     REQUEST,
     Flops,
@@ -99,6 +100,16 @@ _SPECS = [
         "kv_bytes_per_token": 0,
     },
 ]
+
+
+def logits_after_unit0(manifest: Manifest, unit_dir: Path, rest: StageExecutor,
+                       ids: list[int]) -> np.ndarray:
+    """Logits of `ids` when unit 0 (the embedding, from `unit_dir`) feeds `rest`, an
+    executor for units 1-2: what a deployed second stage computes."""
+    request = {"input_ids": np.array([ids], np.int64),
+               "position_ids": np.arange(len(ids), dtype=np.int64)[None]}
+    first = StageExecutor(manifest, unit_dir, 0, 0).step("s", request)
+    return rest.step("s", first)["logits"][0]
 
 
 def _io(name: str, dtype: int, shape: list) -> onnx.ValueInfoProto:
