@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.llama_checkpoint import LlamaShape, write_llama
-from peerd.client import Connection, call
+from peerd.client import call, chat_events
 from peerd.local_cluster import LocalCluster
 
 PINS = [[0], [0], [1]]
@@ -44,14 +44,10 @@ class TokenLog:
 
     def run(self, state_dir: Path) -> None:
         while not self.stop.is_set():
-            with Connection(state_dir, timeout=120) as connection:
-                connection.send({"op": "chat", "prompt_ids": PROMPT,
-                                 "max_tokens": ANSWER_TOKENS})
-                while (event := connection.read()) is not None:
-                    if event.get("event") == "token":
-                        self.times.append(time.monotonic())
-                    elif event.get("event") == "done" or event.get("ok") is False:
-                        break
+            request = {"prompt_ids": PROMPT, "max_tokens": ANSWER_TOKENS}
+            for event in chat_events(state_dir, request, timeout=120):
+                if event.get("event") == "token":
+                    self.times.append(time.monotonic())
 
     def rate(self, start: float, end: float) -> float:
         """Decode tokens/s between two instants."""

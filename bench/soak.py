@@ -27,7 +27,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from peerd.client import Connection
+from peerd.client import chat_events
 from peerd.local_cluster import LocalCluster
 from shards.builtin import write_builtin_model
 
@@ -61,16 +61,14 @@ class Soak:
         asked_on = self.cluster.dirs[0]  # the model peer: the chaos never kills it
         tokens, final = [], None
         try:
-            with Connection(asked_on, timeout=180) as connection:
-                connection.send({"op": "chat", "prompt_ids": prompt, "max_tokens": MAX_TOKENS})
-                while (event := connection.read()) is not None:
-                    if event.get("event") == "token":
-                        tokens.append(event["token"])
-                        with self._lock:
-                            self.token_times.append(time.monotonic())
-                    elif event.get("event") == "done" or event.get("ok") is False:
-                        final = event
-                        break
+            request = {"prompt_ids": prompt, "max_tokens": MAX_TOKENS}
+            for event in chat_events(asked_on, request, timeout=180):
+                if event.get("event") == "token":
+                    tokens.append(event["token"])
+                    with self._lock:
+                        self.token_times.append(time.monotonic())
+                else:
+                    final = event
         except Exception as exc:  # noqa: BLE001 - a lost answer is what the soak counts
             final = {"lost": f"{type(exc).__name__}: {exc}"}
         self._record(prompt, tokens, final)

@@ -14,6 +14,7 @@ stderr, so `peerd chat < questions > answers` keeps only the answers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from peerd import statedir
-from peerd.client import Connection, call
+from peerd.client import call, chat_events
 from peerd.errors import PeerdError
 
 # An answer may take a while to start when the cluster is busy; the daemon's own deadlines
@@ -84,17 +85,15 @@ def _answer_once(state_dir: Path, request: dict[str, Any], as_json: bool) -> int
 def stream_answer(
     state_dir: Path, request: dict[str, Any], on_piece: Callable[[str], None] | None = None
 ) -> dict[str, Any]:
-    """Send one chat request; call `on_piece(text)` per token; return the final event."""
-    with Connection(state_dir, timeout=ANSWER_TIMEOUT_S) as connection:
-        connection.send({"op": "chat", **request})
-        while (event := connection.read()) is not None:
+    """Send one chat request; call `on_piece(text)` per token; return the final event.
+    An exception (Ctrl-C) closes the connection at once, which ends the answer."""
+    with contextlib.closing(chat_events(state_dir, request, ANSWER_TIMEOUT_S)) as events:
+        for event in events:
             if event.get("ok") is False:
                 _refuse(event.get("error", "the cluster could not answer"))
             if event.get("event") == "token" and on_piece is not None:
                 on_piece(event.get("text", ""))
-            elif event.get("event") == "done":
-                return event
-    raise PeerdError("the daemon closed the connection before the answer was complete")
+    return event  # the done event: the last, since an error answer was refused above
 
 
 def _refuse(error: str) -> None:

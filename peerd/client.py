@@ -70,6 +70,20 @@ def call(state_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
+def chat_events(state_dir: Path, request: dict[str, Any],
+                timeout: float | None = None) -> Iterator[dict[str, Any]]:
+    """The events of one chat: each token event, then the done event or the error answer,
+    which comes last; PeerdError when the daemon closes the connection before either. Close
+    the iterator to cancel the answer (on every peer)."""
+    with Connection(state_dir, timeout=timeout) as connection:
+        connection.send({"op": "chat", **request})
+        while (event := connection.read()) is not None:
+            yield event
+            if event.get("event") == "done" or event.get("ok") is False:
+                return
+    raise PeerdError("the daemon closed the connection before the answer was complete")
+
+
 def events(state_dir: Path) -> Iterator[dict[str, Any]]:
     """Daemon events (membership, election, measurements) as they happen."""
     with Connection(state_dir, timeout=None) as connection:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import netns
 
-from peerd.client import Connection
+from peerd.client import chat_events
 from shards.manifest import Manifest
 
 SHARDED_S, DEPLOYED_S, ANSWER_S = 240, 120, 180
@@ -36,15 +36,12 @@ class Answer(threading.Thread):
 
     def run(self) -> None:
         try:
-            with Connection(self.peer.state_dir, timeout=ANSWER_S) as connection:
-                connection.send({"op": "chat", "prompt_ids": self.prompt,
-                                 "max_tokens": self.max_tokens})
-                while (event := connection.read()) is not None:
-                    if event.get("event") == "token":
-                        self.tokens.append(event["token"])
-                    elif event.get("event") == "done" or event.get("ok") is False:
-                        self.done, self.error = event, event.get("error")
-                        break
+            request = {"prompt_ids": self.prompt, "max_tokens": self.max_tokens}
+            for event in chat_events(self.peer.state_dir, request, ANSWER_S):
+                if event.get("event") == "token":
+                    self.tokens.append(event["token"])
+                else:
+                    self.done, self.error = event, event.get("error")
         except Exception as exc:  # noqa: BLE001 - the test reports whatever ended the answer
             self.error = f"{type(exc).__name__}: {exc}"
         self.ended_at = time.monotonic()
