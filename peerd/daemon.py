@@ -591,7 +591,7 @@ class Daemon:
         self.serving.refresh(self.deployment.assignment, self.deployment.loaded, figures)
 
     def _serving_message(self, member, msg, incoming) -> None:
-        self._refresh_serving()
+        # no refresh here, on the hot path: planes follow deploy reports and cluster reports
         self.serving.handle(member.id, msg, incoming.reply)
 
     def _unit_chunk_request(self, member, msg: protocol.UnitChunkRequest, incoming) -> None:

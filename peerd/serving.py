@@ -53,6 +53,9 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 # A forwarded chat whose head sends nothing for this long is ended with an error.
 HEAD_SILENCE_S = 60.0
+# A peer may forward a chat here as soon as the leader's report names this peer the head,
+# before that report reaches this peer; the chat waits this long for it.
+HEAD_TAKEOVER_S = 10.0
 RELAY_TIMEOUT_S = 10.0
 MAX_CHAT_TOKENS = 8192
 MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; the model refuses ids past its own
@@ -316,6 +319,7 @@ class ChatService:
 
         async def run() -> None:
             try:
+                await self._until_head(HEAD_TAKEOVER_S)
                 await self.answer(parse_chat(message.body), relay)
             except PeerdError as exc:
                 with contextlib.suppress(TransportError):
@@ -326,6 +330,13 @@ class ChatService:
                 self._forwarded.pop(message.chat_id, None)
 
         self._forwarded[message.chat_id] = asyncio.get_running_loop().create_task(run())
+
+    async def _until_head(self, wait_s: float) -> None:
+        """Return once this peer is the head, or after `wait_s` (answer() then says why)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                while self.head is None:
+                    await self.head_changed.wait()
 
     async def close(self) -> None:
         tasks = list(self._forwarded.values())
@@ -386,7 +397,6 @@ class Serving:
         self.chat = ChatService(transport)
         self.answers = Answers(self.limits)
         self.planes: dict[str, DataPlane] = {}  # by plan key, oldest first
-        self._tokenizer: tuple[Path, Tokenizer | None] | None = None
         self._retired: set[asyncio.Task] = set()
         self._stage_mark: tuple[str, int, float] | None = None
         self._stage_s: float | None = None
@@ -462,7 +472,6 @@ class Serving:
             plane.handle(sender, message, reply)
         else:
             log.info("dropped %s from %s: no plane of it here", message.KIND, sender)
-
 
     def stage_seconds(self) -> float | None:
         """Seconds per step of this peer's stage since the last call (the last figure when

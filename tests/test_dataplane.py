@@ -122,7 +122,12 @@ async def _after_tokens(head, request, count: int):
             seen.set()
 
     task = asyncio.create_task(head.generate(request, on_token))
-    await asyncio.wait_for(seen.wait(), 10)
+    streaming = asyncio.ensure_future(seen.wait())
+    await asyncio.wait({streaming, task}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    streaming.cancel()
+    if task.done():
+        task.result()  # an answer that ended early says why
+    assert seen.is_set(), f"{len(tokens)} of {count} tokens in 10 s"
     return task, tokens
 
 

@@ -79,6 +79,20 @@ async def test_a_forwarded_chat_whose_client_leaves_ends_on_every_peer(ring):
     )
 
 
+async def test_a_chat_forwarded_before_the_head_knows_it_is_the_head_waits_for_it(toy, ring):
+    head, _, asker = ring
+    role, head.chat.head, head.chat.head_peer = head.chat.head, None, None
+    client = Client()
+    request = {"op": "chat", "prompt_ids": PROMPT, "max_tokens": 9}
+    asked = asyncio.ensure_future(asker.chat.op_chat(request, client.send))
+    await eventually(lambda: head.chat._forwarded, "the chat reached the head-to-be")
+    assert not client.events
+    head.chat.head = role
+    head.chat.set_head_peer("a")
+    await asyncio.wait_for(asked, 20)
+    assert client.events[-1]["token_ids"] == reference(toy[0], PROMPT, 9)
+
+
 async def test_errors_on_the_head_reach_a_forwarding_client_as_error_events(ring):
     client = Client()
     request = {"op": "chat", "prompt_ids": PROMPT, "max_tokens": 100}  # 3 + 100 > 64 positions
