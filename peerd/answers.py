@@ -2,10 +2,12 @@
 
 Every chat the head accepts becomes one `Generation` here. It waits in a bounded line until
 a slot is free and the plan's K/V reserve has room for its tokens (prompt + max_tokens), then
-runs on the current data plane. When the plan changes (a rebalance, a peer lost, a new
-leader), the old plane is retired: the answer keeps every token it has, waits for the next
-plane, and resumes there by re-prefilling its prompt and those tokens under a fresh sequence
-id, so the client sees one uninterrupted, unchanged answer. When no plan can serve (the model
+runs on the current data plane. When the plan changes (a rebalance, a new leader), the old
+plane is retired: at its next token boundary the answer moves to the new plane with its K/V
+(peerd/dataplane.py) and continues there. Where the K/V cannot move (a peer lost), the answer
+keeps every token it has, waits for the next plane, and resumes there by re-prefilling its
+prompt and those tokens under a fresh sequence id. Either way the client sees one
+uninterrupted, unchanged answer. When no plan can serve (the model
 no longer fits), waiting answers end with the leader's reason.
 """
 
@@ -20,7 +22,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from peerd.dataplane import DataPlane, GenerationError, Limits, PlaneClosed
+from peerd.dataplane import DataPlane, GenerationError, Limits, Moved, PlaneClosed
 from peerd.pipeline import Generation
 from peerd.protocol import SequenceStats
 from shards.sampling import SamplingParams
@@ -51,6 +53,7 @@ class Answered:
     tokens: list[int]
     stages: list[SequenceStats]
     resumed: int  # times the answer moved to a new plan
+    kv_moved: int = 0  # of those, the moves that took its K/V along (the rest re-prefilled)
 
 
 @dataclass
@@ -105,19 +108,26 @@ class Answers:
     async def _generate(self, request: Request, on_token: Callable[[int], None]) -> Answered:
         generation = Generation(uuid.uuid4().hex, request.prompt, request.max_tokens,
                                 request.stop_ids, tokens=list(request.produced))
-        resumed, left = 0, None
+        resumed, kv_moved, left, plane = 0, 0, None, None
         while not generation.finished:
-            plane = await self._plane(avoid=left)
+            if plane is None:
+                plane = await self._plane(avoid=left)
             try:
                 stages = await plane.run(generation, request.params, on_token)
-                return Answered(generation.tokens, stages, resumed)
+                return Answered(generation.tokens, stages, resumed, kv_moved)
+            except Moved as moved:
+                log.info("answer %s moved to plan %s with its K/V after %d tokens",
+                         generation.seq_id, moved.plane.plan, len(generation.tokens))
+                generation.moved(moved.seq_id)
+                plane = moved.plane
+                kv_moved += 1
             except PlaneClosed:
-                left = plane
-                resumed += 1
                 log.info("answer %s moves to the next plan after %d tokens",
                          generation.seq_id, len(generation.tokens))
                 generation.restart(uuid.uuid4().hex)
-        return Answered(generation.tokens, [], resumed)
+                left, plane = plane, None
+            resumed += 1
+        return Answered(generation.tokens, [], resumed, kv_moved)
 
     async def _plane(self, avoid: DataPlane | None = None) -> DataPlane:
         """The plane to run on (not `avoid`, which failed the answer), waiting up to

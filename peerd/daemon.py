@@ -59,8 +59,8 @@ UNITS_DIR = "units"  # the unit file cache in the state directory
 ELECTION_KINDS = (protocol.VoteRequest, protocol.Vote, protocol.LeaderAnnounce)
 SERVING_KINDS = (
     protocol.StageData, protocol.SequenceOpen, protocol.SequenceToken, protocol.SequenceDrop,
-    protocol.SequenceFailed, protocol.SequenceStatsRequest, protocol.ChatRequest,
-    protocol.ChatEvent, protocol.ChatCancel,
+    protocol.SequenceFailed, protocol.SequenceStatsRequest, protocol.SequenceMove,
+    protocol.SequenceState, protocol.ChatRequest, protocol.ChatEvent, protocol.ChatCancel,
 )
 
 

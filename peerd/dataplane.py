@@ -10,9 +10,14 @@ their consumers), `SequenceOpen` from the head to the last stage before a sequen
 stage cannot run a step.
 
 A plane serves one plan. During a plan change the old and the new plane serve side by side
-(each message names its plan); when the head retires the old plane, every answer running on
-it gets `PlaneClosed` and continues on the new one (peerd/answers.py), and every sequence's
-K/V the old plane held is freed.
+(each message names its plan). When the head retires the old plane for a new one, each
+answer running on it pauses at its next token boundary and its K/V moves: the head asks
+every stage of the old plan (`SequenceMove`) to send the K/V of its units to the peers that
+hold those units in the new plan (`SequenceState`, stored under a fresh sequence id), and
+once every stage has answered (`SequenceMoved`) the answer continues on the new plane with
+its next decode step (`Moved`). Where that cannot be done (a peer of the old plan is gone,
+the answer had not run a step yet) the answer gets `PlaneClosed` and re-prefills on the new
+plane (peerd/answers.py). A retired plane frees every sequence's K/V it held.
 
 Units run on one compute thread per plane, so the event loop keeps serving heartbeats and
 messages of other sequences while a step runs. Everything else happens on the event loop; a
@@ -22,10 +27,12 @@ step that finishes after its sequence ended has its fresh K/V dropped at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +41,11 @@ from peerd.pipeline import Generation, StageWorker, StepDone, TokenSampler
 from peerd.protocol import (
     SequenceDrop,
     SequenceFailed,
+    SequenceMove,
+    SequenceMoved,
     SequenceOpen,
     SequenceOpened,
+    SequenceState,
     SequenceStats,
     SequenceStatsRequest,
     SequenceToken,
@@ -67,6 +77,18 @@ class PlanBroken(PlaneClosed):
     makes once it notices the peer gone."""
 
 
+class Moved(PlaneClosed):
+    """The answer's K/V moved to `plane` under `seq_id`: continue there, no re-prefill."""
+
+    def __init__(self, plane: DataPlane, seq_id: str) -> None:
+        super().__init__(f"moved to plan {plane.plan}")
+        self.plane, self.seq_id = plane, seq_id
+
+
+class MoveError(Exception):
+    """A sequence's K/V could not be moved to another plan (the message says why)."""
+
+
 @dataclass(frozen=True)
 class Limits:
     max_sequences: int = 8  # running at once
@@ -82,6 +104,7 @@ class _Running:
     on_token: Callable[[int], None]
     done: asyncio.Future
     active_at: float
+    paused: bool = False  # stopped at a token boundary, to move to the handover plane
 
 
 @dataclass
@@ -112,9 +135,12 @@ class DataPlane:
         fp16_wire: bool = False,
         limits: Limits | None = None,
         plan: str = "local",
+        siblings: Mapping[str, DataPlane] | None = None,
     ) -> None:
         self.plan = plan
         self.peers = [peer for peer, _, _ in stages]
+        self.ranges = [(first, last) for _, first, last in stages]
+        self.me = self_id
         self.stage = self.peers.index(self_id)
         stage_routes = routes(manifest, [(first, last) for _, first, last in stages])
         self.worker = StageWorker(self.stage, executor, stage_routes[self.stage], fp16_wire, plan)
@@ -128,6 +154,10 @@ class DataPlane:
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{self.stage}")
         self._tasks: set[asyncio.Task] = set()
+        # this peer's planes by plan key, where K/V moving here is stored
+        self._siblings = {} if siblings is None else siblings
+        self._handover: DataPlane | None = None  # the head's plane answers move to
+        self._quiet = asyncio.Event()  # set whenever an answer or a sequence ends here
 
     @property
     def is_head(self) -> bool:
@@ -163,12 +193,15 @@ class DataPlane:
         try:
             await self._open(seq_id, params, len(generation.tokens))
             if not running.done.done():
-                self._start_step(generation)
+                self._next_step(running)
             await self._until_done(running)
+            if running.paused:
+                raise await self._move(generation)
             return await self._costs_of(seq_id)
         finally:
             self._running.pop(seq_id, None)
             self._end(seq_id)
+            self._quiet.set()
 
     async def _open(self, seq_id: str, params: SamplingParams, skip: int) -> None:
         if self.is_last:
@@ -196,9 +229,13 @@ class DataPlane:
                         f"no token for {stall:.0f}s: a peer of the plan stopped answering"
                     ) from None
 
-    def _start_step(self, generation: Generation) -> None:
-        step, inputs = generation.step_inputs()
-        self._spawn(self._run(generation.seq_id, step, inputs))
+    def _next_step(self, running: _Running) -> None:
+        if self._handover is not None:
+            running.paused = True
+            running.done.set_result(None)
+            return
+        step, inputs = running.generation.step_inputs()
+        self._spawn(self._run(running.generation.seq_id, step, inputs))
 
     def _on_token(self, seq_id: str, step: int, token: int) -> None:
         running = self._running.get(seq_id)
@@ -214,7 +251,7 @@ class DataPlane:
         if finished:
             running.done.set_result(None)
         else:
-            self._start_step(running.generation)
+            self._next_step(running)
 
     def _fail(self, seq_id: str, reason: str) -> None:
         running = self._running.get(seq_id)
@@ -241,6 +278,37 @@ class DataPlane:
         return SequenceStats(req, cost.steps, cost.compute_s, cost.transfer_s,
                              cost.sequential_bytes, cost.residual_bytes, self.worker.fp16_wire)
 
+    async def _move(self, generation: Generation) -> PlaneClosed:
+        """Move a paused answer's K/V to the handover plane: Moved, or PlaneClosed (the
+        answer re-prefills) when that fails."""
+        target = self._handover
+        if target is None or generation.cached == 0:
+            return PlaneClosed()  # no K/V yet: the new plane's first step is the prefill
+        ask = SequenceMove(0, self.plan, generation.seq_id, target.plan, uuid.uuid4().hex,
+                           target.holders())
+        errors = [e for e in await asyncio.gather(*map(self._ask_move(ask), self.peers)) if e]
+        if errors:
+            log.warning("answer %s re-prefills on plan %s: %s", generation.seq_id, target.plan,
+                        "; ".join(errors))
+            return PlaneClosed()
+        return Moved(target, ask.to_seq_id)
+
+    def _ask_move(self, ask: SequenceMove) -> Callable[[str], Any]:
+        async def move_on(peer: str) -> str | None:
+            if peer == self.me:
+                try:
+                    await self.send_state(ask)
+                except MoveError as exc:
+                    return str(exc)
+                return None
+            try:
+                answer = await self.transport.request(peer, ask, self.limits.send_timeout_s)
+            except TransportError as exc:
+                return str(exc)
+            return answer.error
+
+        return move_on
+
     def _end(self, seq_id: str) -> None:
         """Free the sequence here and on every other stage."""
         self._forget(seq_id)
@@ -250,7 +318,8 @@ class DataPlane:
     # -- every stage's side ------------------------------------------------------------------
     def handle(self, sender: str, message: Any, reply: Callable[[Any], None]) -> None:
         """A data-plane message from `sender` (a peer id the transport authenticated)."""
-        if sender not in self.peers:
+        if sender not in self.peers and not isinstance(message, SequenceState):
+            # K/V may come from a peer that leaves the plan along with its units
             log.warning("dropped %s from %s: not in plan %s", message.KIND, sender, self.plan)
             return
         if getattr(message, "plan", self.plan) != self.plan:
@@ -260,6 +329,10 @@ class DataPlane:
             self._on_open(message, reply)
         elif isinstance(message, SequenceStatsRequest):
             reply(self._cost_here(message.req, message.seq_id))
+        elif isinstance(message, SequenceMove):
+            self._spawn(self._on_move(message, reply))
+        elif isinstance(message, SequenceState):
+            reply(SequenceMoved(message.req, self.store_state(message)))
         elif getattr(message, "seq_id", None) in self._ended:
             return
         elif isinstance(message, StageData):
@@ -276,6 +349,65 @@ class DataPlane:
             self._forget(message.seq_id)
         else:
             log.warning("dropped %s from %s: not for stage %d", message.KIND, sender, self.stage)
+
+    async def _on_move(self, message: SequenceMove, reply: Callable[[Any], None]) -> None:
+        try:
+            await self.send_state(message)
+        except MoveError as exc:
+            reply(SequenceMoved(message.req, str(exc)))
+            return
+        reply(SequenceMoved(message.req))
+
+    async def send_state(self, move: SequenceMove) -> None:
+        """Send this stage's K/V of the sequence to the peers that hold the same units in
+        the plan it moves to; MoveError when that cannot be done."""
+        executor = self.worker.executor
+        if executor.last >= len(move.holders):
+            raise MoveError(f"stage {self.stage}: plan {move.to_plan} has fewer units")
+        parts: dict[str, tuple[list[int], dict]] = {}
+        try:
+            for unit in range(executor.first, executor.last + 1):
+                units, tensors = parts.setdefault(move.holders[unit], ([], {}))
+                units.append(unit)
+                tensors.update(executor.export_state(move.seq_id, unit))
+        except KeyError as exc:
+            raise MoveError(f"stage {self.stage}: {exc.args[0]}") from None
+        states = [(peer, SequenceState(0, move.to_plan, move.to_seq_id, (*units,), tensors))
+                  for peer, (units, tensors) in parts.items()]
+        errors = [e for e in await asyncio.gather(*(self._store_at(*s) for s in states)) if e]
+        if errors:
+            raise MoveError("; ".join(errors))
+
+    async def _store_at(self, peer: str, state: SequenceState) -> str | None:
+        if peer == self.me:
+            target = self._siblings.get(state.plan)
+            if target is None:
+                return f"plan {state.plan} is not loaded on {peer}"
+            return target.store_state(state)
+        try:
+            answer = await self.transport.request(peer, state, self.limits.send_timeout_s)
+        except TransportError as exc:
+            return str(exc)
+        return answer.error
+
+    def holders(self) -> tuple[str, ...]:
+        """The peer that runs each unit in this plan, by unit index."""
+        return tuple(peer for peer, (first, last) in zip(self.peers, self.ranges, strict=True)
+                     for _ in range(first, last + 1))
+
+    def store_state(self, state: SequenceState) -> str | None:
+        """Install K/V moved here from another plan; None, or why it was refused."""
+        if self.closed or state.seq_id in self._ended:
+            return f"stage {self.stage} of plan {self.plan} no longer runs {state.seq_id}"
+        executor = self.worker.executor
+        try:
+            for unit in state.units:
+                executor.import_state(state.seq_id, unit, state.tensors)
+        except (KeyError, ValueError) as exc:
+            self.worker.drop(state.seq_id)
+            return f"stage {self.stage}: {exc}"
+        self._live.add(state.seq_id)
+        return None
 
     def _on_open(self, message: SequenceOpen, reply: Callable[[Any], None]) -> None:
         try:
@@ -368,6 +500,7 @@ class DataPlane:
         self._costs.pop(seq_id, None)
         self.sampler.close(seq_id)
         self.worker.drop(seq_id)
+        self._quiet.set()
 
     # -- lifetime ----------------------------------------------------------------------------
     def _spawn(self, coroutine) -> None:
@@ -375,9 +508,23 @@ class DataPlane:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def retire(self, handover: DataPlane | None, wait_s: float) -> None:
+        """Close the plane once its answers and sequences are done, waiting at most
+        `wait_s`. On the head, running answers stop at their next token boundary and move
+        with their K/V to `handover` (None: they re-prefill on the next plan)."""
+        self._handover = handover if self.is_head else None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                while self._running or self._live:
+                    self._quiet.clear()
+                    await self._quiet.wait()
+        await self.close()
+
     async def close(self) -> None:
         """Retire the plane: running answers get PlaneClosed, and every sequence's state
         here is freed (the executor may live on in the next plan's plane)."""
+        if self.closed:
+            return
         self.closed = True
         for running in self._running.values():
             if not running.done.done():

@@ -204,3 +204,7 @@ class Generation:
     def restart(self, seq_id: str) -> None:
         """Forget the K/V: the next step re-prefills everything under `seq_id`."""
         self.seq_id, self.cached, self.step = seq_id, 0, 0
+
+    def moved(self, seq_id: str) -> None:
+        """The K/V moved to another plan under `seq_id`: the next step continues from it."""
+        self.seq_id, self.step = seq_id, 0

@@ -156,6 +156,55 @@ class SequenceDrop:
     seq_id: str
 
 
+@message("seq-move", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceMove:
+    """The head moves an answer to plan ``to_plan`` at a token boundary: the stage of
+    ``plan`` that gets this sends its K/V of ``seq_id`` to the peers holding the same units
+    in ``to_plan`` (``holders[u]`` holds unit u), stored there under ``to_seq_id``
+    (``SequenceState``), then answers with ``SequenceMoved``."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    plan: str
+    seq_id: str
+    to_plan: str
+    to_seq_id: str
+    holders: tuple[str, ...]
+
+    def __post_init__(self):
+        _require(0 < len(self.holders) <= MAX_TENSORS, "seq-move: holders out of range")
+
+
+@message("seq-state", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceState:
+    """The K/V of ``units`` for sequence ``seq_id`` of plan ``plan``, keyed by the units'
+    state input names, to store on the stage holding those units; answered by
+    ``SequenceMoved``."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    plan: str
+    seq_id: str
+    units: tuple[int, ...]
+    tensors: Tensors
+
+    def __post_init__(self):
+        _require(all(u >= 0 for u in self.units), "seq-state: negative unit index")
+
+
+@message("seq-moved", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceMoved:
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    error: str | None = None
+
+
 @message("seq-stats-ask", channel=DATA)
 @dataclasses.dataclass(frozen=True)
 class SequenceStatsRequest:

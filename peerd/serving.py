@@ -57,6 +57,9 @@ HEAD_SILENCE_S = 60.0
 # before that report reaches this peer; the chat waits this long for it.
 HEAD_TAKEOVER_S = 10.0
 RELAY_TIMEOUT_S = 10.0
+# A retired plan's plane keeps serving this long at most while its answers move to the new
+# plan with their K/V (each at its next token boundary).
+HANDOVER_S = 10.0
 MAX_CHAT_TOKENS = 8192
 MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; the model refuses ids past its own
 MAX_SEED = 2**64 - 1  # the largest seed SequenceOpen carries (msgpack integers)
@@ -358,6 +361,7 @@ def _stats(answered: Answered, prompt_tokens: int, started: float, times: list[f
         "tokens_per_second": round((len(times) - 1) / decode_s, 3) if decode_s else None,
         "total_s": round(time.perf_counter() - started, 6),
         "resumed": answered.resumed,
+        "kv_moved": answered.kv_moved,
         "fp16_wire": any(stage["fp16_wire"] for stage in stages),
         "sequential_bytes": sum(stage["sequential_bytes"] for stage in stages),
         "residual_bytes": sum(stage["residual_bytes"] for stage in stages),
@@ -398,6 +402,7 @@ class Serving:
         self.answers = Answers(self.limits)
         self.planes: dict[str, DataPlane] = {}  # by plan key, oldest first
         self._retired: set[asyncio.Task] = set()
+        self._retiring: set[str] = set()  # plan keys of planes closing once answers moved
         self._stage_mark: tuple[str, int, float] | None = None
         self._stage_s: float | None = None
 
@@ -419,6 +424,7 @@ class Serving:
         plane = self._plane_for(plan, loaded)
         if not plan_active(plan, figures):
             return  # the older plans keep answering until this one is ready everywhere
+        alive = {f.id for f in figures}
         self.chat.set_head_peer(plan.stages[0].peer)
         if plane is not None and plane.is_head:
             self.answers.use(plane, context_for(loaded.manifest))
@@ -428,7 +434,7 @@ class Serving:
             self.chat.head = None
             self.answers.use(None, problem=f"the head moved to peer {plan.stages[0].peer}; "
                              "ask again")
-        self._retire_all_but(plane)
+        self._retire_all_but(plane, alive)
 
     def _plane_for(self, plan: PlanAssignment, loaded: LoadedStage | None) -> DataPlane | None:
         """This peer's plane of `plan`, built once its stage's units are loaded."""
@@ -441,7 +447,7 @@ class Serving:
             return None
         ring = [(s.peer, s.first, s.last) for s in plan.stages]
         plane = DataPlane(self.me, self.transport, ring, loaded.manifest, loaded.executor,
-                          self.fp16_wire, self.limits, plan.key)
+                          self.fp16_wire, self.limits, plan.key, self.planes)
         self.planes[plan.key] = plane
         return plane
 
@@ -455,13 +461,30 @@ class Serving:
             return Tokenizer.from_dir(self.model_dir)
         return None
 
-    def _retire_all_but(self, keep: DataPlane | None) -> None:
+    def _retire_all_but(self, keep: DataPlane | None, alive: set[str] | None = None) -> None:
+        """Retire every plane but `keep`. Where every peer of a plane is alive, it serves
+        on while its answers move to `keep` with their K/V; otherwise it closes at once."""
         for key, plane in list(self.planes.items()):
-            if plane is not keep:
-                del self.planes[key]
-                task = asyncio.get_running_loop().create_task(plane.close())
-                self._retired.add(task)
-                task.add_done_callback(self._retired.discard)
+            if plane is keep or key in self._retiring:
+                continue
+            handover = keep if keep is not None and keep.is_head else None
+            moving = alive is not None and set(plane.peers) <= alive and (
+                handover is not None or not plane.is_head
+            )
+            self._retiring.add(key)
+            task = asyncio.get_running_loop().create_task(
+                self._retire(key, plane, handover, HANDOVER_S if moving else 0.0)
+            )
+            self._retired.add(task)
+            task.add_done_callback(self._retired.discard)
+
+    async def _retire(self, key: str, plane: DataPlane, handover: DataPlane | None,
+                      wait_s: float) -> None:
+        try:
+            await plane.retire(handover, wait_s)
+        finally:
+            self.planes.pop(key, None)
+            self._retiring.discard(key)
 
     def handle(self, sender: str, message: Any, reply: Callable[[Any], None]) -> None:
         if isinstance(message, (ChatRequest, ChatEvent, ChatCancel)):
@@ -511,4 +534,5 @@ class Serving:
     async def close(self) -> None:
         await self.chat.close()
         self._retire_all_but(None)
+        await asyncio.gather(*(plane.close() for plane in list(self.planes.values())))
         await asyncio.gather(*self._retired, return_exceptions=True)

@@ -48,15 +48,15 @@ class Peer:
             incoming.reply(protocol.Pong(msg.req))
         elif isinstance(msg, CHAT_MESSAGES):
             self.chat.handle(sender, msg)
-        else:
-            plane_of(self.planes, msg).handle(sender, msg, incoming.reply)
+        elif (plane := plane_of(self.planes, msg)) is not None:
+            plane.handle(sender, msg, incoming.reply)
 
     def endpoint(self) -> Endpoint:
         return Endpoint(HOST, self.ports.control, self.ports.data, self.keys.public)
 
-    def add_plane(self, plan: str, manifest, stages=STAGES) -> DataPlane:
-        plane = DataPlane(self.id, self.transport, stages, manifest, self.executor,
-                          self.fp16_wire, self.limits, plan)
+    def add_plane(self, plan: str, manifest, stages=STAGES, executor=None) -> DataPlane:
+        plane = DataPlane(self.id, self.transport, stages, manifest, executor or self.executor,
+                          self.fp16_wire, self.limits, plan, self.planes)
         self.planes[plan] = plane
         return plane
 

@@ -66,6 +66,9 @@ def test_a_peer_on_low_battery_sheds_its_units_mid_answer_and_takes_work_back(lo
             assert answer.error is None, answer.error
             assert answer.tokens == answer.done["token_ids"] == expected[tuple(answer.prompt)]
         assert any(a.done["stats"]["resumed"] for a in answers), "no answer crossed the change"
+        assert all(a.done["stats"]["kv_moved"] == a.done["stats"]["resumed"] for a in answers), (
+            "an answer re-prefilled though every peer was alive to move its K/V"
+        )
 
         _battery(batteries[shedder], 15, True)
         netns.wait_for(lambda: _units(peers, peers[shedder].id), REGAIN_S,

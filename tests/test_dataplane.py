@@ -6,11 +6,13 @@ import contextlib
 import numpy as np
 import pytest
 from ring import reference, running_ring
+from toy_units import HIDDEN
 from waiting import eventually
 
 from peerd import protocol
 from peerd.answers import Busy, Request
 from peerd.dataplane import GenerationError, Limits
+from shards.executor import StageExecutor
 from shards.sampling import SamplingParams
 
 PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 0], [3, 3], [2], [7, 1], [9, 9, 9]]
@@ -149,6 +151,30 @@ async def test_answers_move_to_a_new_plan_mid_answer_and_stay_exact(toy, ring):
     assert results[-1].tokens == running[-1][1] == uninterrupted
     assert all(r.resumed == 1 for r in results)
     await eventually(lambda: all(p.executor.sequence_count == 0 for p in ring), "K/V freed")
+
+
+async def test_answers_move_with_their_k_v_to_a_plan_that_splits_the_units_anew(toy, ring):
+    model, manifest, directory = toy
+    a, b, c = ring
+    head = a.answers
+    sampled = _request([5, 1], max_tokens=24, temperature=0.9, top_k=5, seed=7)
+    uninterrupted = (await head.generate(sampled, lambda t: None)).tokens
+    running = [await _after_tokens(head, _request(p, max_tokens=24), 3) for p in PROMPTS[:4]]
+    running.append(await _after_tokens(head, sampled, 3))
+    new_split = [("a", 0, 1), ("c", 2, 2)]  # b leaves: its unit's K/V moves to a
+    a.add_plane("1.2", manifest, new_split, StageExecutor(manifest, directory, 0, 1))
+    c.add_plane("1.2", manifest, new_split)
+    head.use(a.planes["1.2"])
+    await asyncio.gather(a.planes["1.1"].retire(a.planes["1.2"], 10),
+                         b.planes["1.1"].retire(None, 10), c.planes["1.1"].retire(None, 10))
+    results = await asyncio.wait_for(asyncio.gather(*(task for task, _ in running)), 30)
+    for (prompt, result, (_, streamed)) in zip(PROMPTS[:4], results, running, strict=False):
+        assert result.tokens == streamed == reference(model, prompt, 24)
+    assert results[-1].tokens == running[-1][1] == uninterrupted
+    assert all(r.resumed == r.kv_moved == 1 for r in results)
+    last = c.planes["1.2"].worker.counters
+    assert last.received_bytes["hidden1"] == last.steps * HIDDEN * 4, "a step re-prefilled"
+    assert b.executor.sequence_count == 0
 
 
 async def test_an_answer_waits_for_k_v_room_and_one_too_long_is_refused(ring):
