@@ -7,8 +7,10 @@ process pinned to core 1 starts. The run is made twice: with `--no-rebalance` (t
 stays, peer 2's stage runs at about half speed) and with rebalancing on (the leader moves
 the work off peer 2). Printed: tokens/s before the load, under load without and with
 rebalancing, their ratio (target >= 1.25), seconds from load onset to the new plan taking
-effect on the head (target <= 10 s), and the longest pause in the token stream around the
-transition (target <= 1 s).
+effect on the head (target <= 10 s), the longest pause in the token stream around the
+transition (target <= 1 s), and how many answers crossed the change with their K/V moved
+rather than re-prefilled. Before the load starts, each run waits up to 30 s for a plan that
+gives peer 2 work (without it the load has nothing to move; the output says so).
 
     python -m bench.rebalance [--layers 8 --hidden 512] [--dir DIR]
 """
@@ -31,6 +33,7 @@ from peerd.local_cluster import LocalCluster
 
 PINS = [[0], [0], [1]]
 LOADED_CORE = 1
+LOADED_PEER = "peer2"  # the peer pinned to LOADED_CORE
 PROMPT = [1, 5, 9, 2, 7]
 ANSWER_TOKENS = 48
 
@@ -40,6 +43,7 @@ class TokenLog:
     """Every token's arrival time, from answers asked back to back."""
 
     times: list[float] = field(default_factory=list)
+    moves: list[tuple[int, int]] = field(default_factory=list)  # (resumed, kv_moved) per answer
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self, state_dir: Path) -> None:
@@ -48,6 +52,9 @@ class TokenLog:
             for event in chat_events(state_dir, request, timeout=120):
                 if event.get("event") == "token":
                     self.times.append(time.monotonic())
+                elif event.get("event") == "done":
+                    stats = event["stats"]
+                    self.moves.append((stats["resumed"], stats["kv_moved"]))
 
     def rate(self, start: float, end: float) -> float:
         """Decode tokens/s between two instants."""
@@ -83,6 +90,8 @@ def run(root: Path, model_dir: Path, rebalance: bool, baseline_s: float, loaded_
                       progress=lambda line: print(line, file=sys.stderr)) as cluster:
         plan = _wait(lambda: _head_plan(cluster), 60)
         names = {p["id"]: p["name"] for p in cluster.status(0)["peers"]}
+        if _wait(lambda: LOADED_PEER in _stages(cluster, names), 30):
+            plan = _head_plan(cluster)
         before = _stages(cluster, names)
         log = TokenLog()
         client = threading.Thread(target=log.run, args=(cluster.dirs[0],), daemon=True)
@@ -109,6 +118,7 @@ def run(root: Path, model_dir: Path, rebalance: bool, baseline_s: float, loaded_
         "effect_s": effect_s,
         "pause_s": log.longest_gap(loaded_at, settled + 2.0),
         "plans": (before, after),
+        "moves": [m for m in log.moves if m[0]],
     }
 
 
@@ -140,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     with_ = run(root / "live", model_dir, True, args.baseline, args.loaded)
     print(f"fixed plan:                    {without['plans'][0]}")
     print(f"live plan before / after load: {with_['plans'][0]} / {with_['plans'][1]}")
-    if "peer2" not in with_["plans"][0]:
-        print("note: peer2 held no units before the load (its core was busy with other work "
-              "when measured), so the load had nothing to move")
+    if LOADED_PEER not in with_["plans"][0]:
+        print(f"note: {LOADED_PEER} held no units before the load (its core was busy with "
+              "other work when measured), so the load had nothing to move")
     print(f"tokens/s before the load:      {with_['before']:.1f} "
           f"(fixed-plan run: {without['before']:.1f})")
     print(f"tokens/s under load, fixed:    {without['under_load']:.1f}")
@@ -153,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load onset -> new plan on the head: "
           f"{'never' if effect is None else f'{effect:.1f} s'}  (target <= 10 s)")
     print(f"longest pause in the token stream: {with_['pause_s']:.2f} s  (target <= 1 s)")
+    moves = with_["moves"]
+    print(f"answers that crossed a plan change: {len(moves)}; moves that took the K/V along: "
+          f"{sum(kv for _, kv in moves)} of {sum(resumed for resumed, _ in moves)}")
     return 0
 
 

@@ -5,7 +5,8 @@ answer in flight when a peer dies should resume on the survivors and finish exac
 are spread evenly over the run, a few at a time; a chaos thread SIGKILLs peer 1 or 2 at
 random moments and restarts it a little later. Every answer is compared with `peerd
 generate` run locally on the same prompt. Printed: answers completed exactly, failed with a
-clear error, and wrong or lost (target: 0), and the time to recover after each kill (from the
+clear error, and wrong or lost (target: 0), how many plan changes the exact answers crossed
+with their K/V moved or re-prefilled, and the time to recover after each kill (from the
 kill to the next token any client received).
 
     python -m bench.soak [--minutes 10] [--chats 200] [--concurrency 3]
@@ -50,6 +51,7 @@ class Soak:
         self.cluster, self.expected = cluster, expected
         self.outcomes: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
+        self.moves: Counter[str] = Counter()  # plan changes answers crossed, and how
         self.token_times: list[float] = []
         self.kills: list[float] = []
         self.done = threading.Event()
@@ -83,6 +85,10 @@ class Soak:
                 self.errors[final.get("error", "?")] += 1
             elif tokens == final["token_ids"] == self.expected[tuple(prompt)]:
                 self.outcomes["completed exactly"] += 1
+                stats = final["stats"]
+                self.moves["answers"] += bool(stats["resumed"])
+                self.moves["with K/V"] += stats["kv_moved"]
+                self.moves["re-prefilled"] += stats["resumed"] - stats["kv_moved"]
             else:
                 self.outcomes["wrong"] += 1
 
@@ -136,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     for outcome in ("completed exactly", "failed with a clear error", "wrong", "lost"):
         print(f"  {outcome:27s} {soak.outcomes[outcome]}")
     print(f"wrong or lost: {soak.outcomes['wrong'] + soak.outcomes['lost']}  (target 0)")
+    moves = soak.moves
+    print(f"exact answers that crossed a plan change: {moves['answers']}; moves with their "
+          f"K/V {moves['with K/V']}, re-prefilled {moves['re-prefilled']}")
     for error, count in soak.errors.most_common():
         print(f"  error x{count}: {error}")
     if recovered:
