@@ -160,12 +160,24 @@ class Coordinator:
         if plan.stages:
             self._adopt(plan, "fresh figures")
 
+    @property
+    def settling(self) -> bool:
+        """Whether a change of peers or model waits to settle before the next plan."""
+        return self._pending is not None
+
+    def set_policy(self, policy: rebalance.Policy | None) -> None:
+        """Rebalance by `policy` from now on (None: keep deployed plans), judging afresh:
+        what was seen before does not count towards the sustain time."""
+        self.policy = policy
+        self._rebalancing = rebalance.State()
+
     async def _rebalance(self, epoch: int, report: ClusterReport) -> None:
         """Score the deployed plan with fresh figures; move work when the policy says so."""
+        policy = self.policy
         look = await self._look(report)
-        if look is None:
-            return
-        self._rebalancing, decision = rebalance.apply(self._rebalancing, self.policy, look[0])
+        if look is None or self.policy is not policy:
+            return  # switched off or on while looking: the next round judges
+        self._rebalancing, decision = rebalance.apply(self._rebalancing, policy, look[0])
         if decision is None:
             return
         assignment = self._assignment(epoch, look[1] if decision.full else look[2])

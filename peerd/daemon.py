@@ -173,7 +173,7 @@ class Daemon:
         self.api = LocalApi(
             statedir.socket_path(self.options.state_dir),
             {"status": self._op_status, "stop": self._op_stop, "subscribe": self._op_subscribe,
-             "chat": self._op_chat},
+             "chat": self._op_chat, "rebalance": self._op_rebalance},
         )
         self.openai = (
             OpenAiApi(self._op_chat, lambda: served_model(self.deployment))
@@ -622,6 +622,10 @@ class Daemon:
         )
         document["deployment"] = self.deployment.status()
         document["history"] = self.history.document()
+        document["rebalance"] = self.coordinator.policy is not None
+        document["replan_pending"] = (
+            self.election.role is Role.LEADER and self.coordinator.settling
+        )
         self._refresh_serving()
         document["dataplane"] = self.serving.status()
         document["torch_imported"] = "torch" in sys.modules
@@ -645,6 +649,14 @@ class Daemon:
 
     async def _op_status(self, request: dict[str, Any], send: Send) -> None:
         await send({"ok": True, "status": self.status()})
+
+    async def _op_rebalance(self, request: dict[str, Any], send: Send) -> None:
+        enabled = request.get("enabled")
+        if not isinstance(enabled, bool):
+            raise PeerdError('"enabled" must be true or false')
+        self.coordinator.set_policy(rebalance.Policy() if enabled else None)
+        log.info("rebalancing %s (local API)", "on" if enabled else "off")
+        await send({"ok": True, "rebalance": enabled})
 
     async def _op_stop(self, request: dict[str, Any], send: Send) -> None:
         await send({"ok": True, "stopping": True})

@@ -4,7 +4,9 @@ Used by `peerd demo` and the benchmarks. The model is sharded first into the mod
 shard cache (which that peer's daemon then finds ready); every peer gets a memory budget
 under which only all of them together can hold the model; the non-model peers find the
 model peer as a static `--peer`, since multicast on the loopback interface is not something
-to count on. Leaving the context terminates the daemons.
+to count on. Entering the context returns once the cluster has settled: every peer in, no
+re-plan pending on the leader, and the head serving the leader's plan. Leaving it
+terminates the daemons.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ from shards.manifest import Manifest
 
 BETA = Cluster(source="", devices=()).beta  # the share of its budget a peer offers
 READY_S = 600.0
+# A cluster is ready once every peer is in, the leader has no re-plan waiting (a peer that
+# joined late) and the head has served the leader's plan this long (a leader challenged
+# right after its first plan makes another).
+SETTLE_S = 3.0
 
 
 class LocalCluster:
@@ -158,25 +164,44 @@ def _hello_port(state_dir: Path) -> int | None:
 
 def _wait_for_deployment(dirs: list[Path], progress: Callable[[str], None]) -> None:
     shown = None
+    serving: tuple[str | None, float] = (None, time.monotonic())
 
     def ready() -> bool:
-        nonlocal shown
+        nonlocal shown, serving
         document = _status(dirs[0])
         line = _progress(document)
         if line != shown:
             progress(f"  {line}")
             shown = line
-        heads = [(_status(d) or {}).get("dataplane", {}).get("head") for d in dirs]
-        return any(heads)
+        statuses = [_status(d) or {} for d in dirs]
+        plan = next((s["dataplane"]["plan"] for s in statuses
+                     if s.get("dataplane", {}).get("head")), None)
+        if plan != serving[0]:
+            serving = (plan, time.monotonic())
+        settled = document is not None and _alive(document) == len(dirs) and not any(
+            s.get("replan_pending") for s in statuses
+        )
+        return settled and plan == _plan_key(document) and (
+            time.monotonic() - serving[1] >= SETTLE_S
+        )
 
     _wait(ready, "the model to be deployed")
+
+
+def _plan_key(document: dict) -> str | None:
+    plan = document.get("plan") or {}
+    return f"{plan['epoch']}.{plan['id']}" if plan.get("stages") else None
+
+
+def _alive(document: dict) -> int:
+    return sum(1 for p in document["peers"] if p["state"] == "alive")
 
 
 def _progress(document: dict | None) -> str:
     if document is None:
         return "waiting for peer0"
     model, plan = document.get("model"), document.get("plan")
-    members = sum(1 for p in document["peers"] if p["state"] == "alive")
+    members = _alive(document)
     if not model or model.get("state") != "ready":
         detail = (model or {}).get("detail") or "starting"
         return f"{members} peers; model: {detail}"

@@ -1,5 +1,6 @@
 """One real daemon on loopback (no root needed): it leads itself, answers `peerd status`,
-refuses a second daemon on its state dir, and stops cleanly on `peerd stop` or SIGTERM."""
+refuses a second daemon on its state dir, switches rebalancing off and on, and stops cleanly
+on `peerd stop` or SIGTERM."""
 
 import signal
 import subprocess
@@ -64,6 +65,17 @@ def test_a_second_daemon_on_the_same_state_dir_is_refused(daemon):
     _wait_until_leading(state_dir, process)
     second = _peerd("start", "--state-dir", str(state_dir), "--interface", "127.0.0.1")
     assert second.returncode == 1 and "already running" in second.stderr
+
+
+def test_rebalancing_is_switched_off_and_on_through_the_local_api(daemon):
+    state_dir, process = daemon
+    assert _wait_until_leading(state_dir, process)["rebalance"] is True
+    assert client.call(state_dir, {"op": "rebalance", "enabled": False})["rebalance"] is False
+    assert client.call(state_dir, {"op": "status"})["status"]["rebalance"] is False
+    with pytest.raises(PeerdError, match='"enabled" must be true or false'):
+        client.call(state_dir, {"op": "rebalance", "enabled": "no"})
+    client.call(state_dir, {"op": "rebalance", "enabled": True})
+    assert client.call(state_dir, {"op": "status"})["status"]["rebalance"] is True
 
 
 def test_peerd_stop_ends_the_daemon_cleanly(daemon):

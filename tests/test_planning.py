@@ -25,6 +25,7 @@ from peerd.protocol import (
     PeerFigures,
     PlanAssignment,
 )
+from peerd.rebalance import Policy
 from peerd.transport import TransportError
 from planner.errors import Infeasible
 from shards.manifest import Manifest
@@ -280,6 +281,47 @@ async def test_a_better_plan_is_taken_only_after_it_held_for_the_sustain_time(ma
     leader.now = 103.5
     moved = await leader.step(loaded)
     assert moved.plan_id == first.plan_id + 1 and busy not in {s.peer for s in moved.stages}
+
+
+async def test_rebalancing_switched_off_holds_the_plan_and_back_on_judges_afresh(manifest):
+    leader = Leader(manifest)
+    slow = 1e3
+    peers = [figures("a", SMALL, slow, model="toy"), figures("b", SMALL, slow),
+             figures("c", SMALL, slow)]
+    first = await leader.step(report(*peers))
+    _deploy(leader)
+    busy = first.stages[-1].peer
+    loaded = report(*(dataclasses.replace(f, load=0.9) if f.id == busy else f for f in peers))
+    leader.now = 99.0
+    assert await leader.step(loaded) is first  # the better plan is first seen
+    leader.coordinator.set_policy(None)
+    for leader.now in (100.0, 110.0, 120.0):
+        assert await leader.step(loaded) is first, "held while rebalancing is off"
+    leader.coordinator.set_policy(Policy())
+    leader.now = 121.0
+    assert await leader.step(loaded) is first, "the load seen while off does not count"
+    leader.now = 124.5
+    moved = await leader.step(loaded)
+    assert busy not in {s.peer for s in moved.stages}
+
+
+async def test_rebalancing_switched_off_while_the_leader_looks_is_not_a_crash(manifest):
+    leader = Leader(manifest)
+    peers = [figures("a", SMALL, 1e3, model="toy"), figures("b", SMALL, 1e3),
+             figures("c", SMALL, 1e3)]
+    first = await leader.step(report(*peers))
+    _deploy(leader)
+    looking = leader.coordinator._look
+
+    async def look_then_switch_off(measured):
+        seen = await looking(measured)
+        leader.coordinator.set_policy(None)
+        return seen
+
+    leader.coordinator._look = look_then_switch_off
+    loaded = report(*(dataclasses.replace(f, load=0.9) if f.id == first.stages[-1].peer else f
+                      for f in peers))
+    assert await leader.step(loaded) is first
 
 
 async def test_with_no_room_the_leader_tries_again_as_figures_change(manifest):
