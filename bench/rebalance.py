@@ -6,8 +6,9 @@ A client asks for answers back to back and timestamps every token. One cluster, 
 to start from (the first settled plan that gives peer 2 work), three phases:
 
 1. baseline, no load;
-2. a busy process pinned to core 1, rebalancing switched off on every peer (the local API's
-   `rebalance` op): the plan stays and peer 2's stage runs at about half speed;
+2. a busy process pinned to core 1 (`--busy N`: N of them), rebalancing switched off on
+   every peer (the local API's `rebalance` op): the plan stays and peer 2's stage runs at
+   about half speed;
 3. the load removed, rebalancing on again, then the busy process again: the leader moves
    the work off peer 2.
 
@@ -17,7 +18,7 @@ Printed: tokens/s before the load, under load without and with rebalancing, thei
 <= 10 s), the longest pause in the token stream around the transition (target <= 1 s), and
 how many answers crossed the change with their K/V moved rather than re-prefilled.
 
-    python -m bench.rebalance [--layers 16 --hidden 512] [--dir DIR]
+    python -m bench.rebalance [--layers 16 --hidden 512] [--busy 1] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -70,9 +71,25 @@ class TokenLog:
         return max((b - a for a, b in zip(inside, inside[1:], strict=False)), default=0.0)
 
 
-def _busy_on(core: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                            preexec_fn=lambda: os.sched_setaffinity(0, [core]))
+class Load:
+    """`count` busy processes pinned to `core` while started."""
+
+    def __init__(self, core: int, count: int) -> None:
+        self.core, self.count = core, count
+        self.processes: list[subprocess.Popen] = []
+
+    def start(self) -> None:
+        self.processes = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                             preexec_fn=lambda: os.sched_setaffinity(0, [self.core]))
+            for _ in range(self.count)
+        ]
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.kill()
+            process.wait()
+        self.processes = []
 
 
 def _head_plan(cluster: LocalCluster) -> str | None:
@@ -99,7 +116,7 @@ def _load_of(cluster: LocalCluster, peer: str) -> float:
     return next((p["load"] or 0.0 for p in status["peers"] if p["name"] == peer), 1.0)
 
 
-def run(root: Path, model_dir: Path, baseline_s: float, loaded_s: float) -> dict:
+def run(root: Path, model_dir: Path, baseline_s: float, loaded_s: float, busy: int) -> dict:
     with LocalCluster(root, model_dir, holders=2, cpus=PINS,
                       progress=lambda line: print(line, file=sys.stderr)) as cluster:
         names = {p["id"]: p["name"] for p in cluster.status(0)["peers"]}
@@ -111,27 +128,26 @@ def run(root: Path, model_dir: Path, baseline_s: float, loaded_s: float) -> dict
         client = threading.Thread(target=log.run, args=(cluster.dirs[0],), daemon=True)
         client.start()
         _wait(lambda: len(log.times) > ANSWER_TOKENS, 120)
-        busy = None
+        load = Load(LOADED_CORE, busy)
         try:
             before = _phase(log, baseline_s)
             _set_rebalance(cluster, False)
-            busy = _busy_on(LOADED_CORE)
+            load.start()
             time.sleep(2.0)  # the busy process takes its share of the core
             fixed = _phase(log, loaded_s)
-            busy.kill()
+            load.stop()
             held = _head_plan(cluster) == plan
             _wait(lambda: _load_of(cluster, LOADED_PEER) < 0.2, 30)
             _set_rebalance(cluster, True)
             unmoved = _head_plan(cluster) == plan
             loaded_at = time.monotonic()
-            busy = _busy_on(LOADED_CORE)
+            load.start()
             moved = _wait(lambda: _head_plan(cluster) not in (plan, None), 30)
             effect_s = time.monotonic() - loaded_at if moved else None
             settled = time.monotonic()
             rebalanced = _phase(log, loaded_s)
         finally:
-            if busy is not None:
-                busy.kill()
+            load.stop()
             log.stop.set()
         after = _stages(cluster, names)
         client.join(60)
@@ -163,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", type=float, default=10.0, help="seconds before the load")
     parser.add_argument("--loaded", type=float, default=15.0,
                         help="seconds measured in each loaded phase")
+    parser.add_argument("--busy", type=int, default=1,
+                        help="busy processes on the loaded core (default 1: the stage there "
+                        "runs at about half speed; 2: about a third)")
     parser.add_argument("--dir", help="keep the model and state here (reruns reuse shards)")
     args = parser.parse_args(argv)
     if (os.cpu_count() or 1) < 2:
@@ -175,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (model_dir / "config.json").is_file():
         write_llama(model_dir, shape)
     print(f"model: random Llama, {args.layers} layers, hidden {args.hidden}; peers pinned "
-          f"to cores {PINS}; busy process on core {LOADED_CORE}")
-    result = run(root / "cluster", model_dir, args.baseline, args.loaded)
+          f"to cores {PINS}; {args.busy} busy process(es) on core {LOADED_CORE}")
+    result = run(root / "cluster", model_dir, args.baseline, args.loaded, args.busy)
     print(f"plan before / after the load:  {result['plans'][0]} / {result['plans'][1]}")
     if not result["held"]:
         print("note: the plan changed before the rebalanced phase began; the phases did not "

@@ -265,33 +265,33 @@ async def test_a_stage_peer_dropping_below_the_battery_threshold_is_rebalanced_o
     assert "on battery at 15%" in rebalance["reason"] and rebalance["plan_id"] == moved.plan_id
 
 
-async def test_a_better_plan_is_taken_only_after_it_held_for_the_sustain_time(manifest):
+async def _deployed_then_one_stage_loaded(manifest):
+    """A leader with a deployed plan over three slow peers (compute, not the links, bounds
+    the pipeline), the plan, and a report in which its last stage's peer is 90% loaded."""
     leader = Leader(manifest)
-    slow = 1e3  # FLOP/s: compute, not the links, bounds the pipeline
-    peers = [figures("a", SMALL, slow, model="toy"), figures("b", SMALL, slow),
-             figures("c", SMALL, slow)]
+    peers = [figures("a", SMALL, 1e3, model="toy"), figures("b", SMALL, 1e3),
+             figures("c", SMALL, 1e3)]
     first = await leader.step(report(*peers))
     _deploy(leader)
     busy = first.stages[-1].peer
     loaded = report(*(dataclasses.replace(f, load=0.9) if f.id == busy else f for f in peers))
+    return leader, first, loaded
+
+
+async def test_a_better_plan_is_taken_only_after_it_held_for_the_sustain_time(manifest):
+    leader, first, loaded = await _deployed_then_one_stage_loaded(manifest)
     leader.now = 100.0
     assert await leader.step(loaded) is first
     leader.now = 102.0
     assert await leader.step(loaded) is first, "not sustained for 3 s yet"
     leader.now = 103.5
     moved = await leader.step(loaded)
-    assert moved.plan_id == first.plan_id + 1 and busy not in {s.peer for s in moved.stages}
+    assert moved.plan_id == first.plan_id + 1
+    assert first.stages[-1].peer not in {s.peer for s in moved.stages}
 
 
 async def test_rebalancing_switched_off_holds_the_plan_and_back_on_judges_afresh(manifest):
-    leader = Leader(manifest)
-    slow = 1e3
-    peers = [figures("a", SMALL, slow, model="toy"), figures("b", SMALL, slow),
-             figures("c", SMALL, slow)]
-    first = await leader.step(report(*peers))
-    _deploy(leader)
-    busy = first.stages[-1].peer
-    loaded = report(*(dataclasses.replace(f, load=0.9) if f.id == busy else f for f in peers))
+    leader, first, loaded = await _deployed_then_one_stage_loaded(manifest)
     leader.now = 99.0
     assert await leader.step(loaded) is first  # the better plan is first seen
     leader.coordinator.set_policy(None)
@@ -302,15 +302,11 @@ async def test_rebalancing_switched_off_holds_the_plan_and_back_on_judges_afresh
     assert await leader.step(loaded) is first, "the load seen while off does not count"
     leader.now = 124.5
     moved = await leader.step(loaded)
-    assert busy not in {s.peer for s in moved.stages}
+    assert first.stages[-1].peer not in {s.peer for s in moved.stages}
 
 
 async def test_rebalancing_switched_off_while_the_leader_looks_is_not_a_crash(manifest):
-    leader = Leader(manifest)
-    peers = [figures("a", SMALL, 1e3, model="toy"), figures("b", SMALL, 1e3),
-             figures("c", SMALL, 1e3)]
-    first = await leader.step(report(*peers))
-    _deploy(leader)
+    leader, first, loaded = await _deployed_then_one_stage_loaded(manifest)
     looking = leader.coordinator._look
 
     async def look_then_switch_off(measured):
@@ -319,8 +315,6 @@ async def test_rebalancing_switched_off_while_the_leader_looks_is_not_a_crash(ma
         return seen
 
     leader.coordinator._look = look_then_switch_off
-    loaded = report(*(dataclasses.replace(f, load=0.9) if f.id == first.stages[-1].peer else f
-                      for f in peers))
     assert await leader.step(loaded) is first
 
 
