@@ -54,6 +54,7 @@ log = logging.getLogger("peerd.daemon")
 MEASURE_TIMEOUT_S = 10.0
 PROBE_TIMEOUT_S = 60.0
 CAPABILITY_CHECK_S = 1.0
+LINK_RETRY_S = 3.0  # after a round that could not measure every link
 SHUTDOWN_STEP_S = 5.0
 UNITS_DIR = "units"  # the unit file cache in the state directory
 ELECTION_KINDS = (protocol.VoteRequest, protocol.Vote, protocol.LeaderAnnounce)
@@ -475,6 +476,10 @@ class Daemon:
         if stale or frozenset(peers) != self._linked:
             self._links = await collect_links(lambda s, t: self._ask_links(s, t, epoch), peers)
             self._linked, self._links_at = frozenset(peers), time.monotonic()
+            if len(self._links) < len(peers) * (len(peers) - 1):
+                # a peer that joined a moment ago may not take probes yet; without its links
+                # no plan can use it, so try again soon rather than a whole interval later
+                self._links_at -= self.options.links_interval_s - LINK_RETRY_S
         if (self.election.role, self.election.epoch) != (Role.LEADER, epoch):
             return  # deposed while measuring
         report = protocol.ClusterReport(epoch, tuple(figures.values()), self._links)

@@ -181,7 +181,7 @@ def _wait_for_deployment(dirs: list[Path], progress: Callable[[str], None]) -> N
         settled = document is not None and _alive(document) == len(dirs) and not any(
             s.get("replan_pending") for s in statuses
         )
-        return settled and plan == _plan_key(document) and (
+        return settled and plan is not None and plan == _plan_key(document) and (
             time.monotonic() - serving[1] >= SETTLE_S
         )
 

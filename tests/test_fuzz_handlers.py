@@ -15,20 +15,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import time
 from pathlib import Path
 
 import numpy as np
+from daemon_objects import join, unstarted_daemon
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from wire_strategies import KINDS, carries_tensors, fields, hex_digests
 from wire_strategies import frames as wire_frames
 
-from peerd import membership, protocol
-from peerd.daemon import Daemon, Options
+from peerd import protocol
 from peerd.election import Role
-from peerd.identity import ClusterSecret, KeyPair, ensure_identity, peer_id_for
-from peerd.records import PeerRecord
 from peerd.transport import Incoming
 
 EPOCH = 5
@@ -38,27 +35,11 @@ LEFT_OUT = {"hello", "heartbeat", "goodbye"}  # a member may legitimately restar
 @contextlib.asynccontextmanager
 async def _follower(state_dir: Path):
     """A fresh daemon following the first of two members, the leader of epoch EPOCH."""
-    identity = ensure_identity(state_dir, "me")
-    daemon = Daemon(identity, ClusterSecret(b"s" * 32),
-                    Options(state_dir=state_dir, interface="127.0.0.1"))
-    members = [_join(daemon, name) for name in ("leader", "other")]
-    daemon.election = dataclasses.replace(daemon.election, epoch=EPOCH, leader=members[0].id,
-                                          role=Role.FOLLOWER)
-    try:
+    async with unstarted_daemon(state_dir) as daemon:
+        members = [join(daemon, name) for name in ("leader", "other")]
+        daemon.election = dataclasses.replace(daemon.election, epoch=EPOCH,
+                                              leader=members[0].id, role=Role.FOLLOWER)
         yield daemon, members
-    finally:
-        await daemon.serving.close()
-        await daemon.deployment.close()
-        await daemon.transport.close()
-
-
-def _join(daemon: Daemon, name: str) -> PeerRecord:
-    keys = KeyPair.generate()
-    record = PeerRecord(peer_id_for(keys.public), name, "run1", keys.public, 1, 2, 3)
-    daemon._on_record(record, "127.0.0.1")
-    daemon._membership_event(membership.HeartbeatSeen(record.id, "run1", True, 1e9,
-                                                      time.monotonic()))
-    return record
 
 
 OVERRIDES = {
