@@ -290,6 +290,7 @@ class DataPlane:
         if errors:
             log.warning("answer %s re-prefills on plan %s: %s", generation.seq_id, target.plan,
                         "; ".join(errors))
+            target._end(ask.to_seq_id)  # free what did arrive
             return PlaneClosed()
         return Moved(target, ask.to_seq_id)
 

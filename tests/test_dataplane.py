@@ -11,7 +11,7 @@ from waiting import eventually
 
 from peerd import protocol
 from peerd.answers import Busy, Request
-from peerd.dataplane import GenerationError, Limits
+from peerd.dataplane import GenerationError, Limits, MoveError
 from shards.executor import StageExecutor
 from shards.sampling import SamplingParams
 
@@ -175,6 +175,30 @@ async def test_answers_move_with_their_k_v_to_a_plan_that_splits_the_units_anew(
     last = c.planes["1.2"].worker.counters
     assert last.received_bytes["hidden1"] == last.steps * HIDDEN * 4, "a step re-prefilled"
     assert b.executor.sequence_count == 0
+
+
+async def test_an_answer_whose_k_v_cannot_all_move_re_prefills_and_leaves_nothing_behind(
+    toy, ring,
+):
+    model, manifest, directory = toy
+    a, b, c = ring
+    head = a.answers
+    task, _ = await _after_tokens(head, _request([4, 2], max_tokens=24), 3)
+    new_split = [("a", 0, 1), ("c", 2, 2)]
+    executor = StageExecutor(manifest, directory, 0, 1)
+    a.add_plane("1.2", manifest, new_split, executor)
+    c.add_plane("1.2", manifest, new_split)
+
+    async def cannot_send(move):
+        raise MoveError("stage 1: the disk holding unit 1 failed")
+
+    b.planes["1.1"].send_state = cannot_send  # a's and c's parts arrive, b's never does
+    head.use(a.planes["1.2"])
+    await a.planes["1.1"].retire(a.planes["1.2"], 10)
+    result = await asyncio.wait_for(task, 30)
+    assert result.tokens == reference(model, [4, 2], 24)
+    assert (result.resumed, result.kv_moved) == (1, 0)
+    assert executor.sequence_count == 0, "the part of the K/V that did move was freed"
 
 
 async def test_an_answer_waits_for_k_v_room_and_one_too_long_is_refused(ring):
