@@ -85,10 +85,6 @@ class Moved(PlaneClosed):
         self.plane, self.seq_id = plane, seq_id
 
 
-class MoveError(Exception):
-    """A sequence's K/V could not be moved to another plan (the message says why)."""
-
-
 @dataclass(frozen=True)
 class Limits:
     max_sequences: int = 8  # running at once
@@ -286,7 +282,9 @@ class DataPlane:
             return PlaneClosed()  # no K/V yet: the new plane's first step is the prefill
         ask = SequenceMove(0, self.plan, generation.seq_id, target.plan, uuid.uuid4().hex,
                            target.holders())
-        errors = [e for e in await asyncio.gather(*map(self._ask_move(ask), self.peers)) if e]
+        moves = [self.send_state(ask) if peer == self.me else self._asked(peer, ask)
+                 for peer in self.peers]
+        errors = [e for e in await asyncio.gather(*moves) if e]
         if errors:
             log.warning("answer %s re-prefills on plan %s: %s", generation.seq_id, target.plan,
                         "; ".join(errors))
@@ -294,21 +292,13 @@ class DataPlane:
             return PlaneClosed()
         return Moved(target, ask.to_seq_id)
 
-    def _ask_move(self, ask: SequenceMove) -> Callable[[str], Any]:
-        async def move_on(peer: str) -> str | None:
-            if peer == self.me:
-                try:
-                    await self.send_state(ask)
-                except MoveError as exc:
-                    return str(exc)
-                return None
-            try:
-                answer = await self.transport.request(peer, ask, self.limits.send_timeout_s)
-            except TransportError as exc:
-                return str(exc)
-            return answer.error
-
-        return move_on
+    async def _asked(self, peer: str, request: SequenceMove | SequenceState) -> str | None:
+        """Ask `peer` to move or store a sequence's K/V: None, or why it could not."""
+        try:
+            answer = await self.transport.request(peer, request, self.limits.send_timeout_s)
+        except TransportError as exc:
+            return str(exc)
+        return answer.error
 
     def _end(self, seq_id: str) -> None:
         """Free the sequence here and on every other stage."""
@@ -352,19 +342,14 @@ class DataPlane:
             log.warning("dropped %s from %s: not for stage %d", message.KIND, sender, self.stage)
 
     async def _on_move(self, message: SequenceMove, reply: Callable[[Any], None]) -> None:
-        try:
-            await self.send_state(message)
-        except MoveError as exc:
-            reply(SequenceMoved(message.req, str(exc)))
-            return
-        reply(SequenceMoved(message.req))
+        reply(SequenceMoved(message.req, await self.send_state(message)))
 
-    async def send_state(self, move: SequenceMove) -> None:
+    async def send_state(self, move: SequenceMove) -> str | None:
         """Send this stage's K/V of the sequence to the peers that hold the same units in
-        the plan it moves to; MoveError when that cannot be done."""
+        the plan it moves to: None, or why that could not be done."""
         executor = self.worker.executor
         if executor.last >= len(move.holders):
-            raise MoveError(f"stage {self.stage}: plan {move.to_plan} has fewer units")
+            return f"stage {self.stage}: plan {move.to_plan} has fewer units"
         parts: dict[str, tuple[list[int], dict]] = {}
         try:
             for unit in range(executor.first, executor.last + 1):
@@ -372,24 +357,19 @@ class DataPlane:
                 units.append(unit)
                 tensors.update(executor.export_state(move.seq_id, unit))
         except KeyError as exc:
-            raise MoveError(f"stage {self.stage}: {exc.args[0]}") from None
+            return f"stage {self.stage}: {exc.args[0]}"
         states = [(peer, SequenceState(0, move.to_plan, move.to_seq_id, (*units,), tensors))
                   for peer, (units, tensors) in parts.items()]
         errors = [e for e in await asyncio.gather(*(self._store_at(*s) for s in states)) if e]
-        if errors:
-            raise MoveError("; ".join(errors))
+        return "; ".join(errors) or None
 
     async def _store_at(self, peer: str, state: SequenceState) -> str | None:
-        if peer == self.me:
-            target = self._siblings.get(state.plan)
-            if target is None:
-                return f"plan {state.plan} is not loaded on {peer}"
-            return target.store_state(state)
-        try:
-            answer = await self.transport.request(peer, state, self.limits.send_timeout_s)
-        except TransportError as exc:
-            return str(exc)
-        return answer.error
+        if peer != self.me:
+            return await self._asked(peer, state)
+        target = self._siblings.get(state.plan)
+        if target is None:
+            return f"plan {state.plan} is not loaded on {peer}"
+        return target.store_state(state)
 
     def holders(self) -> tuple[str, ...]:
         """The peer that runs each unit in this plan, by unit index."""

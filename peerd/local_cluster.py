@@ -168,12 +168,13 @@ def _wait_for_deployment(dirs: list[Path], progress: Callable[[str], None]) -> N
 
     def ready() -> bool:
         nonlocal shown, serving
-        document = _status(dirs[0])
+        statuses = [_status(d) for d in dirs]
+        document = statuses[0]
         line = _progress(document)
         if line != shown:
             progress(f"  {line}")
             shown = line
-        statuses = [_status(d) or {} for d in dirs]
+        statuses = [s or {} for s in statuses]
         plan = next((s["dataplane"]["plan"] for s in statuses
                      if s.get("dataplane", {}).get("head")), None)
         if plan != serving[0]:

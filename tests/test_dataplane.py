@@ -11,7 +11,7 @@ from waiting import eventually
 
 from peerd import protocol
 from peerd.answers import Busy, Request
-from peerd.dataplane import GenerationError, Limits, MoveError
+from peerd.dataplane import GenerationError, Limits
 from shards.executor import StageExecutor
 from shards.sampling import SamplingParams
 
@@ -190,7 +190,7 @@ async def test_an_answer_whose_k_v_cannot_all_move_re_prefills_and_leaves_nothin
     c.add_plane("1.2", manifest, new_split)
 
     async def cannot_send(move):
-        raise MoveError("stage 1: the disk holding unit 1 failed")
+        return "stage 1: the disk holding unit 1 failed"
 
     b.planes["1.1"].send_state = cannot_send  # a's and c's parts arrive, b's never does
     head.use(a.planes["1.2"])
