@@ -154,6 +154,7 @@ class DataPlane:
         self._siblings = {} if siblings is None else siblings
         self._handover: DataPlane | None = None  # the head's plane answers move to
         self._quiet = asyncio.Event()  # set whenever an answer or a sequence ends here
+        self._computing: set[str] = set()  # sequences with a step on the compute thread
 
     @property
     def is_head(self) -> bool:
@@ -419,11 +420,14 @@ class DataPlane:
     async def _run(self, seq_id: str, step: int, inputs: dict) -> None:
         loop = asyncio.get_running_loop()
         self._live.add(seq_id)
+        self._computing.add(seq_id)
         try:
             done = await loop.run_in_executor(self._compute, self.worker.run, seq_id, step, inputs)
         except Exception as exc:  # ONNX Runtime's errors derive from Exception alone
             await self._report_failure(seq_id, f"stage {self.stage}, step {step}: {exc}")
             return
+        finally:
+            self._computing.discard(seq_id)
         if seq_id in self._ended or self.closed:
             self.worker.drop(seq_id)
             return
@@ -507,6 +511,9 @@ class DataPlane:
         if self.closed:
             return
         self.closed = True
+        # a step cancelled below still finishes on the compute thread and stores K/V, even
+        # for a sequence already dropped: drop those again once the thread is done
+        computing = set(self._computing)
         for running in self._running.values():
             if not running.done.done():
                 running.done.set_exception(PlaneClosed())
@@ -514,6 +521,6 @@ class DataPlane:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.get_running_loop().run_in_executor(None, self._compute.shutdown, True)
-        for seq_id in list(self._live | set(self._running)):
+        for seq_id in list(self._live | set(self._running) | computing):
             self._forget(seq_id)
 
