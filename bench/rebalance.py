@@ -1,18 +1,23 @@
 """Live rebalancing under real competing load: three peers on this machine, one of them
 sharing its core with a busy process started while generation runs.
 
-Peers 0 and 1 are pinned to core 0, peer 2 to core 1; any two of them can hold the model.
-A client asks for answers back to back and timestamps every token. One cluster, one plan
-to start from (the first settled plan that gives peer 2 work), three phases:
+A small device and two big ones: peer 0 (the model peer) has memory for 35% of the model,
+peers 1 and 2 for 71% each. A client asks for answers back to back (one at a time) and
+timestamps every token; the cluster plans for that (`--objective latency`: each token's
+time through every stage), which puts most of the model on one big peer. That peer is then
+pinned alone to core 1, the other two to core 0 (asking one answer at a time, peers 0 and 1
+never compute at once). One cluster, one plan to start from, three phases:
 
 1. baseline, no load;
 2. a busy process pinned to core 1 (`--busy N`: N of them), rebalancing switched off on
-   every peer (the local API's `rebalance` op): the plan stays and peer 2's stage runs at
-   about half speed;
+   every peer (the local API's `rebalance` op): the plan stays and the loaded peer's stage
+   runs at about half speed;
 3. the load removed, rebalancing on again, then the busy process again: the leader moves
-   the work off peer 2.
+   the work to the other big peer.
 
-Both loaded phases start from the same plan, so their ratio measures the rebalancing alone.
+Both loaded phases start from the same plan, so their ratio measures the rebalancing alone;
+each is measured from 2 s after its change (the busy process starting; the new plan taking
+effect, whose cost the pause figure reports).
 Printed: tokens/s before the load, under load without and with rebalancing, their ratio
 (target >= 1.25), seconds from load onset to the new plan taking effect on the head (target
 <= 10 s), the longest pause in the token stream around the transition (target <= 1 s), and
@@ -37,10 +42,13 @@ from bench.llama_checkpoint import LlamaShape, write_llama
 from peerd.client import call, chat_events
 from peerd.local_cluster import LocalCluster
 
-PINS = [[0], [0], [1]]
+START_PINS = [[0], [0], [1]]  # until the first plan says which peer to put on LOADED_CORE
+SHARES = [0.35, 0.71, 0.71]  # of the model's memory need, per peer
 LOADED_CORE = 1
-LOADED_PEER = "peer2"  # the peer pinned to LOADED_CORE
 PROMPT = [1, 5, 9, 2, 7]
+# A loaded phase is measured from this long after its change: the busy process starting,
+# or the new plan taking effect (the transition itself is what the pause figure reports).
+SETTLE_S = 2.0
 ANSWER_TOKENS = 48
 
 
@@ -117,13 +125,11 @@ def _load_of(cluster: LocalCluster, peer: str) -> float:
 
 
 def run(root: Path, model_dir: Path, baseline_s: float, loaded_s: float, busy: int) -> dict:
-    with LocalCluster(root, model_dir, holders=2, cpus=PINS,
+    with LocalCluster(root, model_dir, shares=SHARES, cpus=START_PINS,
+                      extra=["--objective", "latency"],
                       progress=lambda line: print(line, file=sys.stderr)) as cluster:
-        names = {p["id"]: p["name"] for p in cluster.status(0)["peers"]}
-        if not _wait(lambda: LOADED_PEER in _stages(cluster, names), 60):
-            print(f"note: no plan gave {LOADED_PEER} work within 60 s; the load has nothing "
-                  "to move")
-        plan, start = _head_plan(cluster), _stages(cluster, names)
+        loaded = _isolate_the_bulk_holder(cluster)
+        plan, start = _head_plan(cluster), _stages(cluster)
         log = TokenLog()
         client = threading.Thread(target=log.run, args=(cluster.dirs[0],), daemon=True)
         client.start()
@@ -133,11 +139,11 @@ def run(root: Path, model_dir: Path, baseline_s: float, loaded_s: float, busy: i
             before = _phase(log, baseline_s)
             _set_rebalance(cluster, False)
             load.start()
-            time.sleep(2.0)  # the busy process takes its share of the core
+            time.sleep(SETTLE_S)
             fixed = _phase(log, loaded_s)
             load.stop()
             held = _head_plan(cluster) == plan
-            _wait(lambda: _load_of(cluster, LOADED_PEER) < 0.2, 30)
+            _wait(lambda: _load_of(cluster, loaded) < 0.2, 30)
             _set_rebalance(cluster, True)
             unmoved = _head_plan(cluster) == plan
             loaded_at = time.monotonic()
@@ -145,17 +151,30 @@ def run(root: Path, model_dir: Path, baseline_s: float, loaded_s: float, busy: i
             moved = _wait(lambda: _head_plan(cluster) not in (plan, None), 30)
             effect_s = time.monotonic() - loaded_at if moved else None
             settled = time.monotonic()
+            time.sleep(SETTLE_S)
             rebalanced = _phase(log, loaded_s)
         finally:
             load.stop()
             log.stop.set()
-        after = _stages(cluster, names)
+        after = _stages(cluster)
         client.join(60)
     return {
-        "before": before, "fixed": fixed, "rebalanced": rebalanced, "effect_s": effect_s,
-        "pause_s": log.longest_gap(loaded_at, settled + 2.0), "plans": (start, after),
-        "held": held and unmoved, "moves": [m for m in log.moves if m[0]],
+        "loaded": loaded, "before": before, "fixed": fixed, "rebalanced": rebalanced,
+        "effect_s": effect_s, "pause_s": log.longest_gap(loaded_at, settled + SETTLE_S),
+        "plans": (start, after), "held": held and unmoved,
+        "moves": [m for m in log.moves if m[0]],
     }
+
+
+def _isolate_the_bulk_holder(cluster: LocalCluster) -> str:
+    """Pin the peer holding most of the model alone on LOADED_CORE, the others on the other
+    core; its name."""
+    stages = _plan(cluster)["stages"]
+    bulk = max(stages[1:] or stages, key=lambda stage: len(stage["units"]))["peer"]
+    index = _peer_ids(cluster).index(bulk)
+    for i in range(cluster.count):
+        cluster.pin(i, [LOADED_CORE] if i == index else [1 - LOADED_CORE])
+    return f"peer{index}"
 
 
 def _phase(log: TokenLog, seconds: float) -> float:
@@ -165,9 +184,20 @@ def _phase(log: TokenLog, seconds: float) -> float:
     return log.rate(start, time.monotonic())
 
 
-def _stages(cluster: LocalCluster, names: dict[str, str]) -> str:
-    stages = call(cluster.dirs[0], {"op": "status"})["status"]["plan"]["stages"]
-    return ", ".join(f"{names[s['peer']]} {s['units'][0]}-{s['units'][-1]}" for s in stages)
+def _plan(cluster: LocalCluster) -> dict:
+    return call(cluster.dirs[0], {"op": "status"})["status"]["plan"]
+
+
+def _peer_ids(cluster: LocalCluster) -> list[str]:
+    """Peer i's id, by i."""
+    return [next(p["id"] for p in cluster.status(i)["peers"] if p["self"])
+            for i in range(cluster.count)]
+
+
+def _stages(cluster: LocalCluster) -> str:
+    ids = _peer_ids(cluster)
+    return ", ".join(f"peer{ids.index(s['peer'])} {s['units'][0]}-{s['units'][-1]}"
+                     for s in _plan(cluster)["stages"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,9 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = root / f"llama-{args.layers}x{args.hidden}"
     if not (model_dir / "config.json").is_file():
         write_llama(model_dir, shape)
-    print(f"model: random Llama, {args.layers} layers, hidden {args.hidden}; peers pinned "
-          f"to cores {PINS}; {args.busy} busy process(es) on core {LOADED_CORE}")
+    print(f"model: random Llama, {args.layers} layers, hidden {args.hidden}; peers with "
+          f"memory for {SHARES} of it; plans for latency; {args.busy} busy process(es)")
     result = run(root / "cluster", model_dir, args.baseline, args.loaded, args.busy)
+    print(f"loaded: {result['loaded']}, alone on core {LOADED_CORE}; the others on core "
+          f"{1 - LOADED_CORE}")
     print(f"plan before / after the load:  {result['plans'][0]} / {result['plans'][1]}")
     if not result["held"]:
         print("note: the plan changed before the rebalanced phase began; the phases did not "

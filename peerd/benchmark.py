@@ -1,7 +1,10 @@
 """Measuring peers: FLOP/s on a calibration ONNX graph, and link latency and bandwidth.
 
-The calibration unit is a chain of square MatMuls built with ``onnx.helper`` and timed on
-ONNX Runtime, the same engine the stage executor uses (no torch in the daemon). Links are
+The calibration unit is decode-shaped: one row through a chain of square MatMuls too large
+for the cache, built with ``onnx.helper`` and timed on ONNX Runtime with the stage
+executor's threading (no torch in the daemon). A decode step is bound by reading weights
+from memory, so a peer's figure predicts its stage times; a matrix-matrix product would
+measure arithmetic an order of magnitude faster than decode ever runs. Links are
 measured from a source peer to a target: the shortest round trip of a few pings on the control
 channel gives the one-way latency (half of it; the shortest is the one that queued least); a
 timed bulk transfer on the data channel, answered when fully received, gives the bandwidth
@@ -29,11 +32,12 @@ from onnx import TensorProto, helper
 from peerd import protocol
 from peerd.protocol import LinkFigures, PeerFigures
 from peerd.transport import Transport, TransportError
+from shards.executor import usable_cores
 
 log = logging.getLogger("peerd.benchmark")
 
-CALIBRATION_SIZE = 256
-CALIBRATION_DEPTH = 4
+CALIBRATION_SIZE = 2048
+CALIBRATION_DEPTH = 4  # 64 MiB of weights: more than a CPU's last-level cache
 CALIBRATION_SECONDS = 0.25
 FLOPS_MAX_AGE_S = 600.0
 LATENCY_PINGS = 5
@@ -44,23 +48,27 @@ TRANSFER_TIMEOUT_S = 30.0
 
 
 def calibration_model(size: int = CALIBRATION_SIZE, depth: int = CALIBRATION_DEPTH) -> bytes:
-    """A serialized ONNX graph: x[size,size] multiplied by ``depth`` fixed weight matrices."""
-    rng = np.random.default_rng(0)
-    scale = 1.0 / math.sqrt(size)  # keeps values bounded along the chain
-    weights, nodes = [], []
-    previous = "x"
+    """A serialized ONNX graph: a row x[1,size] multiplied by ``depth`` [size,size] matrices,
+    as a decode step multiplies one token's activations by its weights.
+
+    The matrices are ConstantOfShape nodes, which ONNX Runtime folds into weights when it
+    loads the graph: the serialized graph stays a few hundred bytes. Each has its own value
+    (no two are the same constant to be shared), and together they are far larger than a
+    CPU's cache, so every run streams them from memory as decode does."""
+    nodes, shapes, previous = [], [], "x"
     for i in range(depth):
-        w = (rng.standard_normal((size, size)) * scale).astype(np.float32)
-        weights.append(onnx.numpy_helper.from_array(w, name=f"w{i}"))
+        shapes.append(onnx.numpy_helper.from_array(np.array([size, size], np.int64), f"s{i}"))
+        value = helper.make_tensor(f"v{i}", TensorProto.FLOAT, [1], [(1.0 + i / depth) / size])
+        nodes.append(helper.make_node("ConstantOfShape", [f"s{i}"], [f"w{i}"], value=value))
         output = "y" if i == depth - 1 else f"h{i}"
         nodes.append(helper.make_node("MatMul", [previous, f"w{i}"], [output]))
         previous = output
     graph = helper.make_graph(
         nodes,
         "peerd-calibration",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [size, size])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [size, size])],
-        initializer=weights,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, size])],
+        initializer=shapes,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
@@ -69,7 +77,19 @@ def calibration_model(size: int = CALIBRATION_SIZE, depth: int = CALIBRATION_DEP
 
 
 def calibration_flops(size: int = CALIBRATION_SIZE, depth: int = CALIBRATION_DEPTH) -> int:
-    return 2 * size**3 * depth
+    return 2 * size**2 * depth
+
+
+def calibration_session(size: int, depth: int) -> ort.InferenceSession:
+    """The calibration graph on as many threads as the stage executor uses: one per core
+    this process may run on (ONNX Runtime's default, one per core of the machine, would
+    also compute on cores a pinned peer must not use)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = usable_cores()
+    options.log_severity_level = 3
+    return ort.InferenceSession(
+        calibration_model(size, depth), options, providers=["CPUExecutionProvider"]
+    )
 
 
 def measure_flops(
@@ -78,10 +98,8 @@ def measure_flops(
     seconds: float = CALIBRATION_SECONDS,
 ) -> float:
     """Effective FLOP/s of this machine on the calibration graph (best run; blocking)."""
-    session = ort.InferenceSession(
-        calibration_model(size, depth), providers=["CPUExecutionProvider"]
-    )
-    x = np.random.default_rng(1).standard_normal((size, size)).astype(np.float32)
+    session = calibration_session(size, depth)
+    x = np.random.default_rng(1).standard_normal((1, size)).astype(np.float32)
     session.run(None, {"x": x})  # warm-up: allocations, thread pool
     fastest = math.inf
     deadline = time.perf_counter() + seconds

@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="send this peer's activations to other stages as float16 (half the bytes)",
     )
     p.add_argument(
+        "--objective", choices=["throughput", "latency"], default="throughput",
+        help="what the leader's plans optimise: throughput (default; many answers at once "
+        "run at the slowest stage's pace) or latency (the time of one token through every "
+        "stage: for answers asked one at a time, e.g. one person chatting)",
+    )
+    p.add_argument(
         "--no-rebalance", action="store_true",
         help="as leader, keep a deployed plan when load or battery change (default: move "
         "work when a better plan is predicted 15%% faster for a few seconds)",

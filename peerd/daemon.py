@@ -81,6 +81,7 @@ class Options:
     probe_bytes: int = PROBE_BYTES
     fp16_wire: bool = False
     rebalance: bool = True  # as leader, move work when load or battery change
+    objective: str = "throughput"  # what this peer's plans optimise while it leads
     openai: tuple[str, int] | None = None  # where the OpenAI-compatible endpoint listens
 
 
@@ -116,7 +117,8 @@ class Daemon:
             self._send_deploy_report, local_files=self._served_files,
         )
         self.coordinator = Coordinator(
-            self._ask_manifest, self._send_plan, publish=self.events.publish,
+            self._ask_manifest, self._send_plan, objective=options.objective,
+            publish=self.events.publish,
             policy=rebalance.Policy() if options.rebalance else None,
         )
         self.serving = Serving(
@@ -716,6 +718,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         battery_file=args.battery_file,
         fp16_wire=args.fp16_wire,
         rebalance=not args.no_rebalance,
+        objective=args.objective,
         model=args.model,
         openai=parse_address(args.openai) if args.openai else None,
     )

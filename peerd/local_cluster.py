@@ -2,11 +2,11 @@
 
 Used by `peerd demo` and the benchmarks. The model is sharded first into the model peer's
 shard cache (which that peer's daemon then finds ready); every peer gets a memory budget
-under which only all of them together can hold the model; the non-model peers find the
-model peer as a static `--peer`, since multicast on the loopback interface is not something
-to count on. Entering the context returns once the cluster has settled: every peer in, no
-re-plan pending on the leader, and the head serving the leader's plan. Leaving it
-terminates the daemons.
+(by default one under which only all of them together can hold the model); the non-model
+peers find the model peer as a static `--peer`, since multicast on the loopback interface
+is not something to count on. Entering the context returns once the cluster has settled:
+every peer in, no re-plan pending on the leader, and the head serving the leader's plan.
+Leaving it terminates the daemons.
 """
 
 from __future__ import annotations
@@ -33,19 +33,22 @@ READY_S = 600.0
 # joined late) and the head has served the leader's plan this long (a leader challenged
 # right after its first plan makes another).
 SETTLE_S = 3.0
+SPARE = 0.6  # how far short of one more peer's room the default budgets are (see budget_for)
 
 
 class LocalCluster:
     def __init__(self, root: Path, model_dir: Path, peers: int = 3,
                  progress: Callable[[str], None] = print, holders: int | None = None,
                  cpus: Sequence[Sequence[int]] | None = None, extra: Sequence[str] = (),
-                 peer_args: Sequence[Sequence[str]] = ()) -> None:
+                 peer_args: Sequence[Sequence[str]] = (),
+                 shares: Sequence[float] | None = None) -> None:
         """`holders`: how many peers it takes to hold the model (default: all of them);
+        `shares`: instead, per peer, the fraction of the model it has memory for;
         `cpus`: per peer, the cores its daemon is pinned to; `extra`: more `peerd start`
         arguments for every peer, `peer_args`: for peer i, its own."""
         self.root, self.model_dir, self.count = Path(root), Path(model_dir), peers
         self.progress = progress
-        self.holders = holders or peers
+        self.shares = list(shares or [1 / ((holders or peers) - SPARE)] * peers)
         self.cpus = cpus
         self.extra = tuple(extra)
         self.peer_args = [tuple(a) for a in peer_args]
@@ -57,12 +60,12 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         self.dirs = _cluster_dirs(self.root, self.count)
         self.manifest = _shard(self.model_dir, self.dirs[0], self.progress)
-        budget = budget_for(self.manifest, self.holders)
+        budgets = [budget_share(self.manifest, share) for share in self.shares]
         try:
-            self._start(0, budget, "--model", str(self.model_dir))
+            self._start(0, budgets[0], "--model", str(self.model_dir))
             hello = _wait(lambda: _hello_port(self.dirs[0]), "peer0 to start")
             for i in range(1, self.count):
-                self._start(i, budget, "--peer", f"127.0.0.1:{hello}")
+                self._start(i, budgets[i], "--peer", f"127.0.0.1:{hello}")
             _wait_for_deployment(self.dirs, self.progress)
         except BaseException:
             self.stop()
@@ -87,6 +90,12 @@ class LocalCluster:
     def restart(self, i: int) -> None:
         """Start peer i's daemon again, as it was started."""
         self._processes[i] = _start(self.dirs[i], *self._args[i])
+
+    def pin(self, i: int, cores: Sequence[int]) -> None:
+        """Move peer i's running daemon, every thread of it, onto `cores`."""
+        pid = self._processes[i].pid
+        for thread in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(thread), cores)
 
     def status(self, i: int = 0) -> dict | None:
         return _status(self.dirs[i])
@@ -132,13 +141,18 @@ def _shard(model_dir: Path, state_dir: Path, progress: Callable[[str], None]) ->
     return Manifest.load(Path(json.loads(done.stdout)["directory"]))
 
 
-def budget_for(manifest: Manifest, peers: int, spare: float = 0.6) -> str:
+def budget_for(manifest: Manifest, peers: int, spare: float = SPARE) -> str:
     """Each peer offers the model's need divided by (peers - spare): one peer fewer falls
     short (spare < 1), all of them have room to spare for splitting the units contiguously
     (more of it as `spare` nears 1)."""
+    return budget_share(manifest, 1 / (peers - spare))
+
+
+def budget_share(manifest: Manifest, share: float) -> str:
+    """The `--memory-budget` under which a peer offers `share` of the model's need."""
     context = context_for(manifest)
     need = sum(u.weight_bytes + context * u.kv_bytes_per_token for u in manifest.units)
-    return f"{int(need / (peers - spare) / BETA)}"
+    return f"{int(need * share / BETA)}"
 
 
 def _start(state_dir: Path, budget: str, cores: Sequence[int] | None,

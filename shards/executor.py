@@ -168,14 +168,14 @@ def _session(path: Path, options: ExecutorOptions) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.intra_op_num_threads = options.threads or _usable_cores()
+    so.intra_op_num_threads = options.threads or usable_cores()
     so.inter_op_num_threads = 1
     so.add_session_config_entry("session.intra_op.allow_spinning", str(int(options.spinning)))
     so.log_severity_level = 3
     return ort.InferenceSession(str(path), so, providers=list(options.providers))
 
 
-def _usable_cores() -> int:
+def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux

@@ -14,10 +14,10 @@ from peerd.records import PeerRecord
 
 
 @contextlib.asynccontextmanager
-async def unstarted_daemon(state_dir: Path):
+async def unstarted_daemon(state_dir: Path, options: Options | None = None):
     identity = ensure_identity(state_dir, "me")
     daemon = Daemon(identity, ClusterSecret(b"s" * 32),
-                    Options(state_dir=state_dir, interface="127.0.0.1"))
+                    options or Options(state_dir=state_dir, interface="127.0.0.1"))
     try:
         yield daemon
     finally:

@@ -14,23 +14,34 @@ from peerd.protocol import LinkFigures, PeerFigures
 from peerd.transport import TransportError
 
 
-def test_calibration_graph_is_a_matmul_chain_that_computes_the_product():
+def test_calibration_graph_multiplies_a_row_by_distinct_constant_matrices():
     size, depth = 32, 3
     model = onnx.load_from_string(benchmark.calibration_model(size, depth))
-    assert [n.op_type for n in model.graph.node] == ["MatMul"] * depth
-    weights = {w.name: onnx.numpy_helper.to_array(w) for w in model.graph.initializer}
-    x = np.random.default_rng(3).standard_normal((size, size)).astype(np.float32)
+    assert [n.op_type for n in model.graph.node] == ["ConstantOfShape", "MatMul"] * depth
+    constants = [onnx.numpy_helper.to_array(n.attribute[0].t)[0]
+                 for n in model.graph.node if n.op_type == "ConstantOfShape"]
+    assert len(set(constants)) == depth  # none shared: every run reads depth x size^2 weights
+    x = np.random.default_rng(3).standard_normal((1, size)).astype(np.float32)
     expected = x
-    for i in range(depth):
-        expected = expected @ weights[f"w{i}"]
+    for value in constants:
+        expected = expected @ np.full((size, size), value, np.float32)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(session.run(None, {"x": x})[0], expected, rtol=1e-4, atol=1e-4)
-    assert benchmark.calibration_flops(size, depth) == 2 * 32**3 * 3
+    assert benchmark.calibration_flops(size, depth) == 2 * 32**2 * 3
 
 
 def test_measured_flops_are_plausible_for_a_cpu():
-    flops = benchmark.measure_flops(size=128, depth=2, seconds=0.05)
+    flops = benchmark.measure_flops(size=256, depth=2, seconds=0.05)
     assert 1e8 < flops < 1e14
+
+
+def test_calibration_computes_only_on_the_cores_this_peer_is_pinned_to():
+    code = ("import os; os.sched_setaffinity(0, {0}); from peerd.benchmark import "
+            "calibration_session; "
+            "print(calibration_session(64, 1).get_session_options().intra_op_num_threads)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.split() == ["1"]
 
 
 async def test_the_flops_meter_measures_once_then_reuses_the_figure(monkeypatch):

@@ -7,9 +7,12 @@ import dataclasses
 import logging
 
 import pytest
+from daemon_objects import unstarted_daemon
 from toy_units import ToyModel, write_toy
 
+from peerd.cli import build_parser
 from peerd.coordinator import Coordinator
+from peerd.daemon import options_from_args
 from peerd.planning import (
     cluster_from_report,
     context_for,
@@ -102,7 +105,8 @@ async def test_a_model_that_does_not_fit_is_infeasible_with_the_planners_reason(
 class Leader:
     """A coordinator whose messages land in `sent`, asking a model peer that has `manifest`."""
 
-    def __init__(self, manifest: Manifest | None, state: str = "ready", settle_s: float = 0.0):
+    def __init__(self, manifest: Manifest | None, state: str = "ready", settle_s: float = 0.0,
+                 objective: str = "throughput"):
         self.manifest = manifest
         self.state = state
         self.asked: list[tuple[str, str | None]] = []
@@ -110,7 +114,7 @@ class Leader:
         self.now = 0.0
         self.unreachable = False
         self.coordinator = Coordinator(self.ask_manifest, lambda p, m: self.sent.append((p, m)),
-                                       settle_s=settle_s, clock=lambda: self.now)
+                                       objective, settle_s=settle_s, clock=lambda: self.now)
 
     async def ask_manifest(self, peer: str, have: str | None) -> ManifestOffer:
         self.asked.append((peer, have))
@@ -150,6 +154,23 @@ async def test_a_plan_spreads_over_peers_goes_to_every_member_and_completes(mani
     done = [coordinator.on_report(s.peer, ready(plan, s.peer)) for s in plan.stages]
     assert done == [False] * (len(plan.stages) - 1) + [True]
     assert coordinator.deployed
+
+
+async def test_peerd_start_objective_decides_what_the_leaders_plans_optimise(
+    manifest, tmp_path
+):
+    for argv, objective in (([], "throughput"), (["--objective", "latency"], "latency")):
+        args = build_parser().parse_args(["start", "--state-dir", str(tmp_path), *argv])
+        async with unstarted_daemon(tmp_path, options_from_args(args)) as daemon:
+            assert daemon.coordinator.objective == objective
+    measured = report(figures("a", SMALL, model="toy"), figures("b", SMALL, flops=2e9),
+                      figures("c", SMALL, flops=3e9))
+    plans = {o: await Leader(manifest, objective=o).step(measured)
+             for o in ("throughput", "latency")}
+    assert {o: p.objective for o, p in plans.items()} == {o: o for o in plans}
+    latency, throughput = (plans[o].predicted for o in ("latency", "throughput"))
+    assert latency.latency_s < throughput.latency_s  # one stage and hop fewer
+    assert throughput.throughput_tps >= latency.throughput_tps
 
 
 async def test_an_unchanged_cluster_is_not_replanned_and_only_silent_members_get_it_again(
