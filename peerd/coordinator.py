@@ -177,8 +177,10 @@ class Coordinator:
         look = await self._look(report)
         if look is None or self.policy is not policy:
             return  # switched off or on while looking: the next round judges
-        self._rebalancing, decision = rebalance.apply(self._rebalancing, policy, look[0])
+        before = self._rebalancing
+        self._rebalancing, decision = rebalance.apply(before, policy, look[0])
         if decision is None:
+            _log_waiting(before, self._rebalancing, look[0], policy)
             return
         assignment = self._assignment(epoch, look[1] if decision.full else look[2])
         log.info("rebalancing (%s): %s", "full plan" if decision.full else "boundaries",
@@ -372,6 +374,19 @@ def _reason(old: _PlanInputs | None, new: _PlanInputs) -> str:
     elif new.model_key != old.model_key:
         changes.append("new manifest")
     return "; ".join(changes)
+
+
+def _log_waiting(before: rebalance.State, after: rebalance.State, look: rebalance.Look,
+                 policy: rebalance.Policy) -> None:
+    """Log when a better plan starts or stops waiting out the sustain time: a rebalance
+    that does not happen says why in the log."""
+    if before.better_since is None and after.better_since is not None:
+        log.info("rebalance: a plan predicted %.0f%% faster; moving if it holds for %.0f s "
+                 "(and %.0f s after the last change)", 100 * (look.current_s / look.best_s - 1),
+                 policy.sustain_s, policy.cooldown_s)
+    elif before.better_since is not None and after.better_since is None:
+        log.info("rebalance: the better plan is no longer %.0f%% faster (%.0f%%); waiting "
+                 "again", 100 * policy.margin, 100 * (look.current_s / look.best_s - 1))
 
 
 def plan_event(plan: PlanAssignment, reason: str) -> dict[str, Any]:

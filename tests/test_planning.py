@@ -311,6 +311,20 @@ async def test_a_better_plan_is_taken_only_after_it_held_for_the_sustain_time(ma
     assert first.stages[-1].peer not in {s.peer for s in moved.stages}
 
 
+async def test_the_log_says_when_a_better_plan_starts_and_stops_waiting(manifest, caplog):
+    leader, first, loaded = await _deployed_then_one_stage_loaded(manifest)
+    calm = dataclasses.replace(
+        loaded, peers=tuple(dataclasses.replace(f, load=0.1) for f in loaded.peers))
+    caplog.set_level(logging.INFO, "peerd.coordinator")
+    for now, measured in ((100.0, loaded), (101.0, loaded), (102.0, calm), (103.0, calm)):
+        leader.now = now
+        assert await leader.step(measured) is first
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rebalance:")]
+    assert len(said) == 2, said
+    assert "faster; moving if it holds for 3 s (and 10 s after the last change)" in said[0]
+    assert "is no longer 15% faster" in said[1]
+
+
 async def test_rebalancing_switched_off_holds_the_plan_and_back_on_judges_afresh(manifest):
     leader, first, loaded = await _deployed_then_one_stage_loaded(manifest)
     leader.now = 99.0
