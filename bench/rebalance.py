@@ -167,10 +167,13 @@ def run(root: Path, model_dir: Path, baseline_s: float, loaded_s: float, busy: i
 
 
 def _isolate_the_bulk_holder(cluster: LocalCluster) -> str:
-    """Pin the peer holding most of the model alone on LOADED_CORE, the others on the other
-    core; its name."""
+    """Pin the peer computing most of each token alone on LOADED_CORE, the others on the
+    other core; its name. Not the model peer (the first stage): it keeps unit 0 whatever
+    its load."""
+    units = cluster.manifest.units
     stages = _plan(cluster)["stages"]
-    bulk = max(stages[1:] or stages, key=lambda stage: len(stage["units"]))["peer"]
+    bulk = max(stages[1:] or stages, key=lambda stage: sum(
+        units[u].flops_per_token.decode for u in stage["units"]))["peer"]
     index = _peer_ids(cluster).index(bulk)
     for i in range(cluster.count):
         cluster.pin(i, [LOADED_CORE] if i == index else [1 - LOADED_CORE])
