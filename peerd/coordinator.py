@@ -15,9 +15,9 @@ again the next round, and one that reported `failed` retries when it gets it aga
 plan is possible (no model yet, or the model does not fit) the members get a plan without
 stages whose `problem` says why, and unload. While nothing of that changes and the plan is
 deployed, every round re-scores it with the fresh figures and the rebalancing policy
-(peerd/rebalance.py) decides whether to move work. Every new plan is published as a `plan` event
-(`plan_event`: why it was made, its stages, prediction and residual links) to the local API's
-subscribers, such as the dashboard.
+(peerd/rebalance.py) decides whether to move work. Every plan carries why it was made (and, for
+a rebalance, its predicted gain), which every member publishes to its local subscribers
+(peerd/plan_events.py).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from peerd.protocol import (
     ManifestOffer,
     PlanAssignment,
     PlanFigures,
+    PlanRebalance,
     PlanStage,
 )
-from peerd.routing import routes
 from peerd.transport import TransportError
 from planner import model as pm
 from planner.constraints import violations
@@ -97,12 +97,11 @@ class Coordinator:
         solver: str = "milp",
         settle_s: float = REPLAN_SETTLE_S,
         clock: Callable[[], float] = time.monotonic,
-        publish: Callable[[dict[str, Any]], None] = lambda event: None,
         policy: rebalance.Policy | None = rebalance.Policy(),  # noqa: B008 - frozen
     ):
         """`ask_manifest(peer, have_key)` returns that peer's ManifestOffer; `send(peer, msg)`
-        delivers a message to a member (this peer included); `publish(event)` tells local
-        subscribers about each new plan; `policy` is when to rebalance (None: never)."""
+        delivers a message to a member (this peer included); `policy` is when to rebalance
+        (None: never)."""
         self._ask_manifest = ask_manifest
         self._send = send
         self.objective = objective
@@ -115,7 +114,6 @@ class Coordinator:
         self._pending: tuple[_PlanInputs, float] | None = None  # a change, and since when
         self._settle_s = settle_s
         self._clock = clock
-        self._publish = publish
         self.policy = policy
         self._rebalancing = rebalance.State()
         self._plan_ids = itertools.count(1)
@@ -145,13 +143,13 @@ class Coordinator:
             if self._needs_plan(member):
                 self._send(member, self.plan)
 
-    def _adopt(self, plan: PlanAssignment, reason: str) -> None:
+    def _adopt(self, plan: PlanAssignment, reason: str,
+               moved: PlanRebalance | None = None) -> None:
         if plan.problem:
             log.warning("plan %d: %s", plan.plan_id, plan.problem)
-        self.plan = plan
+        self.plan = dataclasses.replace(plan, reason=reason, rebalance=moved)
         self.reports = {}
         self._rebalancing = dataclasses.replace(self._rebalancing, changed_at=self._clock())
-        self._publish(plan_event(plan, reason))
 
     async def _retry(self, epoch: int, report: ClusterReport) -> None:
         """With the model ready but no plan (peers were too loaded, on low battery...), try
@@ -185,9 +183,9 @@ class Coordinator:
         assignment = self._assignment(epoch, look[1] if decision.full else look[2])
         log.info("rebalancing (%s): %s", "full plan" if decision.full else "boundaries",
                  decision.reason)
-        self._publish({"event": "rebalance", "reason": decision.reason, "gain": decision.gain,
-                       "full": decision.full, "plan_id": assignment.plan_id})
-        self._adopt(assignment, f"rebalance: {decision.reason}")
+        gain = decision.gain if math.isfinite(decision.gain) else None
+        self._adopt(assignment, f"rebalance: {decision.reason}",
+                    PlanRebalance(decision.reason, gain, decision.full))
 
     async def _look(self, report: ClusterReport) -> tuple[rebalance.Look, pm.Plan, pm.Plan] | None:
         """The policy's view of this round, with the best plan and the best boundary move."""
@@ -389,31 +387,3 @@ def _log_waiting(before: rebalance.State, after: rebalance.State, look: rebalanc
                  "again", 100 * policy.margin, 100 * (look.current_s / look.best_s - 1))
 
 
-def plan_event(plan: PlanAssignment, reason: str) -> dict[str, Any]:
-    """The local API's `plan` event: the plan, why it was made, and its residual links
-    (tensors a stage sends straight to a later, non-adjacent stage)."""
-    predicted = dataclasses.asdict(plan.predicted) if plan.predicted else None
-    return {
-        "event": "plan",
-        "plan_id": plan.plan_id,
-        "epoch": plan.epoch,
-        "reason": reason,
-        "stages": [{"peer": s.peer, "first": s.first, "last": s.last} for s in plan.stages],
-        "predicted": predicted,
-        "problem": plan.problem,
-        "residuals": _residual_links(plan),
-    }
-
-
-def _residual_links(plan: PlanAssignment) -> list[dict[str, Any]]:
-    if not plan.stages or plan.manifest is None:
-        return []
-    stage_routes = routes(Manifest.from_dict(plan.manifest),
-                          [(s.first, s.last) for s in plan.stages])
-    return [
-        {"from": plan.stages[i].peer, "to": plan.stages[route.target].peer,
-         "tensors": list(route.names)}
-        for i, stage in enumerate(stage_routes)
-        for route in stage.sends
-        if route.target != i + 1
-    ]

@@ -42,6 +42,7 @@ from peerd.local_api import EventBus, LocalApi, Send
 from peerd.model_host import ModelHost
 from peerd.monitor import Monitor, on_mains, parse_size
 from peerd.openai_api import OpenAiApi, parse_address, served_model
+from peerd.plan_events import plan_events
 from peerd.records import PeerRecord, RecordError, verify
 from peerd.sd_notify import Notifier
 from peerd.serving import Serving
@@ -118,7 +119,6 @@ class Daemon:
         )
         self.coordinator = Coordinator(
             self._ask_manifest, self._send_plan, objective=options.objective,
-            publish=self.events.publish,
             policy=rebalance.Policy() if options.rebalance else None,
         )
         self.serving = Serving(
@@ -562,16 +562,21 @@ class Daemon:
 
     def _send_plan(self, peer_id: str, plan: protocol.PlanAssignment) -> None:
         if peer_id == self.id:
-            self.deployment.assign(plan)
+            self._take_plan(plan)
         else:
             self.transport.send(peer_id, plan)
 
     def _plan_assignment(self, member, msg: protocol.PlanAssignment, incoming) -> None:
         if member.id == self.election.leader and msg.epoch == self.election.epoch:
-            self.deployment.assign(msg)
+            self._take_plan(msg)
         else:
             log.info("ignored plan %d of epoch %d from %s: not the current leader",
                      msg.plan_id, msg.epoch, member.id)
+
+    def _take_plan(self, plan: protocol.PlanAssignment) -> None:
+        if self.deployment.assign(plan):
+            for event in plan_events(plan):
+                self.events.publish(event)
 
     def _send_deploy_report(self, report: protocol.DeployReport) -> None:
         self._refresh_serving()  # a stage just loaded gets its plane before the leader hears

@@ -98,21 +98,23 @@ class Deployment:
 
     # -- plans ---------------------------------------------------------------------------------
 
-    def assign(self, plan: PlanAssignment) -> None:
-        """Act on a plan from the leader; older plans are ignored, a repeat is answered."""
+    def assign(self, plan: PlanAssignment) -> bool:
+        """Act on a plan from the leader; older plans are ignored, a repeat is answered.
+        True when the plan is new to this peer."""
         current = self.assignment
         if current is not None and _order(plan) < _order(current):
             log.info("ignored plan %d of epoch %d: plan %d of epoch %d is newer",
                      plan.plan_id, plan.epoch, current.plan_id, current.epoch)
-            return
+            return False
         if current is not None and _order(plan) == _order(current):
             if self._task is None or self._task.done():
                 if self.progress.state == FAILED:
                     self._start(plan)  # the leader asks again: retry
                 else:
                     self._send_report()
-            return
+            return False
         self._start(plan)
+        return True
 
     def _start(self, plan: PlanAssignment) -> None:
         if self._task is not None:

@@ -588,6 +588,17 @@ class PlanFigures:
     bottleneck_s: float
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanRebalance:
+    """Why load or battery moved work: ``reason``, the predicted ``gain`` (current / new - 1;
+    None when the old plan no longer held), and whether it re-planned over every peer
+    (``full``) or moved boundaries."""
+
+    reason: str
+    gain: float | None
+    full: bool
+
+
 @message("plan")
 @dataclasses.dataclass(frozen=True)
 class PlanAssignment:
@@ -610,6 +621,8 @@ class PlanAssignment:
     solver: str
     predicted: PlanFigures | None
     problem: str | None
+    reason: str = ""  # why the leader made it
+    rebalance: PlanRebalance | None = None  # set when load or battery moved work
 
     def __post_init__(self):
         _require(self.epoch > 0 and self.plan_id > 0, "plan: epoch and plan_id must be positive")

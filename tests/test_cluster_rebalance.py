@@ -8,13 +8,18 @@ Plugged in again, it gets work back.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
+from pathlib import Path
 
 import netns
 import pytest
 from streaming import ANSWER_S, DEPLOYED_S, Answer, serving_plan, shard_into_caches
 
+from peerd.client import events
+from peerd.errors import PeerdError
 from peerd.local_cluster import budget_for
 
 pytestmark = pytest.mark.skipif(
@@ -29,6 +34,31 @@ def _battery(path, percent: float, plugged: bool) -> None:
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps({"percent": percent, "plugged": plugged}))
     temporary.replace(path)
+
+
+class EventLog:
+    """Every event one peer's local API publishes, from its subscription on."""
+
+    def __init__(self, state_dir: Path):
+        self.seen: list[dict] = []
+        threading.Thread(target=self._collect, args=(state_dir,), daemon=True).start()
+
+    def _collect(self, state_dir: Path) -> None:
+        with contextlib.suppress(PeerdError, OSError):
+            for event in events(state_dir):
+                self.seen.append(event)
+
+    def rebalance_and_its_plan(self, because: str) -> tuple[dict, dict] | None:
+        moved = next((e for e in self.seen
+                      if e["event"] == "rebalance" and because in e["reason"]), None)
+        plan = moved and next((e for e in self.seen if e["event"] == "plan"
+                               and e["plan_id"] == moved["plan_id"]), None)
+        return (moved, plan) if plan else None
+
+
+def _told(logs: list[EventLog], because: str) -> list[tuple[dict, dict]] | None:
+    found = [log.rebalance_and_its_plan(because) for log in logs]
+    return found if all(found) else None
 
 
 def _units(peers, peer_id: str) -> list[int] | None:
@@ -52,7 +82,14 @@ def test_a_peer_on_low_battery_sheds_its_units_mid_answer_and_takes_work_back(lo
     with netns.cluster(dirs, args, rebalance=True) as (_, peers):
         plan = netns.wait_for(lambda: serving_plan(peers), DEPLOYED_S, "a serving plan")
         assert len(plan["stages"]) == 3, plan
-        shedder = next(i for i, p in enumerate(peers) if p.id == plan["stages"][-1]["peer"])
+        # A stage peer that does not lead: a leader on battery gives up leading first, and
+        # the next leader's first plan leaves it out (a new epoch, not a rebalance).
+        leader = peers[0].status()["leader"]
+        shedder = next(i for i, p in enumerate(peers)
+                       if p.id in {s["peer"] for s in plan["stages"][1:]} and p.id != leader)
+        logs = [EventLog(peer.state_dir) for peer in peers]
+        netns.wait_for(lambda: all(log.seen for log in logs), DEPLOYED_S,
+                       "every peer's events subscribed (its first measurements)")
         answers = [Answer(peers[0], prompt) for prompt in prompts]
         netns.wait_for(lambda: all(len(a.tokens) >= 3 for a in answers), ANSWER_S,
                        "every answer streaming")
@@ -61,6 +98,11 @@ def test_a_peer_on_low_battery_sheds_its_units_mid_answer_and_takes_work_back(lo
         netns.wait_for(lambda: _units(peers, peers[shedder].id) == [], SHED_S,
                        "the peer on low battery to hold no units")
         print(f"shed its units {time.monotonic() - unplugged:.1f}s after unplugging")
+        told = netns.wait_for(lambda: _told(logs, "on battery at 15%"), SHED_S,
+                              "every peer to publish the rebalance and its plan")
+        for moved, plan in told:
+            assert plan["reason"] == f"rebalance: {moved['reason']}", plan
+            assert peers[shedder].id not in {s["peer"] for s in plan["stages"]}, plan
         for answer in answers:
             answer.join(ANSWER_S)
             assert answer.error is None, answer.error

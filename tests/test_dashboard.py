@@ -171,6 +171,10 @@ def test_events_read_as_sentences_and_unknown_ones_as_their_fields():
                      "plan_id": 5}, known) == (
         "rebalance to plan 5: laptop unplugged; predicted gain +25%"
     )
+    assert describe({"event": "rebalance", "reason": "the plan no longer holds: laptop at 15%",
+                     "gain": None, "plan_id": 6}, known) == (
+        "rebalance to plan 6: the plan no longer holds: laptop at 15%"
+    )
     assert describe({"event": "leader", "leader": "b2", "epoch": 3}, known) == (
         "election: laptop leads epoch 3"
     )

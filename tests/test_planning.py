@@ -13,6 +13,7 @@ from toy_units import ToyModel, write_toy
 from peerd.cli import build_parser
 from peerd.coordinator import Coordinator
 from peerd.daemon import options_from_args
+from peerd.plan_events import plan_events
 from peerd.planning import (
     cluster_from_report,
     context_for,
@@ -271,9 +272,7 @@ def _deploy(leader: Leader) -> PlanAssignment:
 async def test_a_stage_peer_dropping_below_the_battery_threshold_is_rebalanced_off_at_once(
     manifest,
 ):
-    events = []
     leader = Leader(manifest)
-    leader.coordinator._publish = events.append
     peers = [figures("a", SMALL, model="toy"), figures("b", SMALL), figures("c", SMALL)]
     first = await leader.step(report(*peers))
     _deploy(leader)
@@ -282,8 +281,11 @@ async def test_a_stage_peer_dropping_below_the_battery_threshold_is_rebalanced_o
            for f in peers]
     moved = await leader.step(report(*low))
     assert moved.plan_id == first.plan_id + 1 and loser not in {s.peer for s in moved.stages}
-    rebalance = next(e for e in events if e["event"] == "rebalance")
+    assert moved.rebalance is not None and moved.rebalance.gain is None  # the plan broke
+    assert moved.reason == f"rebalance: {moved.rebalance.reason}"
+    rebalance, plan = plan_events(moved)
     assert "on battery at 15%" in rebalance["reason"] and rebalance["plan_id"] == moved.plan_id
+    assert plan["event"] == "plan" and plan["reason"] == moved.reason
 
 
 async def _deployed_then_one_stage_loaded(manifest):

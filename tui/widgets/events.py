@@ -72,8 +72,9 @@ def _plan(event: Event, known: dict[str, str]) -> str:
 
 
 def _rebalance(event: Event, known: dict[str, str]) -> str:
-    return (f"rebalance to plan {event['plan_id']}: {event['reason']}; "
-            f"predicted gain {event['gain']:+.0%}")
+    head = f"rebalance to plan {event['plan_id']}: {event['reason']}"
+    gain = event["gain"]
+    return head if gain is None else f"{head}; predicted gain {gain:+.0%}"
 
 
 def _duplicate(event: Event, known: dict[str, str]) -> str:
