@@ -5,8 +5,8 @@ A small device and two big ones: peer 0 (the model peer) has memory for 35% of t
 peers 1 and 2 for 71% each. A client asks for answers back to back (one at a time) and
 timestamps every token; the cluster plans for that (`--objective latency`: each token's
 time through every stage), which puts most of the model on one big peer. That peer is then
-pinned alone to core 1, the other two to core 0 (asking one answer at a time, peers 0 and 1
-never compute at once). One cluster, one plan to start from, three phases:
+pinned alone to core 1, the other two to core 0 (with one answer at a time they never
+compute at once). One cluster, one plan to start from, three phases:
 
 1. baseline, no load;
 2. a busy process pinned to core 1 (`--busy N`: N of them), rebalancing switched off on

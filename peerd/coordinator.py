@@ -385,5 +385,3 @@ def _log_waiting(before: rebalance.State, after: rebalance.State, look: rebalanc
     elif before.better_since is not None and after.better_since is None:
         log.info("rebalance: the better plan is no longer %.0f%% faster (%.0f%%); waiting "
                  "again", 100 * policy.margin, 100 * (look.current_s / look.best_s - 1))
-
-

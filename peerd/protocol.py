@@ -911,4 +911,3 @@ def _check(value: Any, hint: Any, name: str) -> Any:
     else:
         raise TypeError(f"field {name!r}: annotation {hint} is not supported on the wire")
     raise ProtocolError(f"field {name!r}: {type(value).__name__} is not {hint}")
-
