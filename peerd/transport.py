@@ -108,10 +108,13 @@ class _Dealer:
         self.task = asyncio.create_task(self._keep(), name=f"dealer-{channel}")
 
     def _open(self) -> None:
-        url = self._endpoint.url(self._channel)
-        self.socket = self._transport.dealer(self._channel, self._endpoint.public_key, url)
-        self._monitor = self.socket.get_monitor_socket(HANDSHAKE_FAILED)
-        self._replies = asyncio.create_task(self._transport.receive_replies(self.socket))
+        socket = self._transport.dealer(self._channel, self._endpoint.public_key)
+        # Watch before connecting: a refusal that came before the monitor would go unseen,
+        # and the socket would never be replaced (seen in CI under load).
+        self._monitor = socket.get_monitor_socket(HANDSHAKE_FAILED)
+        socket.connect(self._endpoint.url(self._channel))
+        self.socket = socket
+        self._replies = asyncio.create_task(self._transport.receive_replies(socket))
 
     def _shut(self) -> None:
         self._replies.cancel()
@@ -233,8 +236,8 @@ class Transport:
         except zmq.ZMQError as exc:
             raise TransportError(f"cannot listen on {host}:{port or 'any'}: {exc}") from None
 
-    def dealer(self, channel: str, server_key: str, url: str) -> zmq.asyncio.Socket:
-        """A CURVE client socket to one member's ROUTER."""
+    def dealer(self, channel: str, server_key: str) -> zmq.asyncio.Socket:
+        """A CURVE client socket for one member's ROUTER, to be connected by the caller."""
         keys = self._hello_client if channel == HELLO else self._keys
         sock = self._socket(zmq.DEALER, channel, keys)
         sock.curve_serverkey = server_key.encode("ascii")
@@ -242,7 +245,6 @@ class Transport:
         sock.immediate = channel != HELLO
         sock.reconnect_ivl = RECONNECT_MS
         sock.reconnect_ivl_max = RECONNECT_MAX_MS
-        sock.connect(url)
         return sock
 
     # -- membership of the allowlist and the links -------------------------------------------
@@ -312,7 +314,8 @@ class Transport:
     async def hello(self, host: str, port: int, msg: protocol.Hello, timeout: float) -> Any:
         """Introduce ourselves to a static peer's hello socket and return its answer."""
         url = f"tcp://{_host(host)}:{port}"
-        sock = self.dealer(HELLO, self._hello_server.public, url)
+        sock = self.dealer(HELLO, self._hello_server.public)
+        sock.connect(url)
         try:
             await asyncio.wait_for(sock.send_multipart(protocol.encode(msg)), timeout)
             frames = await asyncio.wait_for(sock.recv_multipart(copy=False), timeout)
