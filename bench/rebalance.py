@@ -193,8 +193,7 @@ def _plan(cluster: LocalCluster) -> dict:
 
 def _peer_ids(cluster: LocalCluster) -> list[str]:
     """Peer i's id, by i."""
-    return [next(p["id"] for p in cluster.status(i)["peers"] if p["self"])
-            for i in range(cluster.count)]
+    return [cluster.status(i)["self"] for i in range(cluster.count)]
 
 
 def _stages(cluster: LocalCluster) -> str:
