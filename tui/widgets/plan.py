@@ -1,5 +1,5 @@
 """The plan as a picture: the ring of stages, each peer's unit range drawn to scale over the
-model's units, the residual links (from the leader's `plan` event), and the planner's
+model's units, the residual links (from the daemon's `plan` event), and the planner's
 predicted throughput beside the measured one."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def draw_plan(status: dict[str, Any], known: dict[str, str],
     ):
         text.append_text(_residuals(plan_event["residuals"], known))
     else:
-        text.append("residual links: listed by the leader's next plan event\n", "dim")
+        text.append("residual links: listed by the next plan event\n", "dim")
     predicted = plan["predicted"] or {}
     text.append("predicted ").append(rate(predicted.get("throughput_tps")), "bold")
     text.append(" · measured ").append(rate(measured.now), "bold").append(" now")
