@@ -188,7 +188,7 @@ def _phase(log: TokenLog, seconds: float) -> float:
 
 
 def _plan(cluster: LocalCluster) -> dict:
-    return call(cluster.dirs[0], {"op": "status"})["status"]["plan"]
+    return cluster.status(0)["plan"]
 
 
 def _peer_ids(cluster: LocalCluster) -> list[str]:

@@ -380,8 +380,8 @@ def _log_waiting(before: rebalance.State, after: rebalance.State, look: rebalanc
     that does not happen says why in the log."""
     if before.better_since is None and after.better_since is not None:
         log.info("rebalance: a plan predicted %.0f%% faster; moving if it holds for %.0f s "
-                 "(and %.0f s after the last change)", 100 * (look.current_s / look.best_s - 1),
+                 "(and %.0f s after the last change)", 100 * look.best_gain,
                  policy.sustain_s, policy.cooldown_s)
     elif before.better_since is not None and after.better_since is None:
         log.info("rebalance: the better plan is no longer %.0f%% faster (%.0f%%); waiting "
-                 "again", 100 * policy.margin, 100 * (look.current_s / look.best_s - 1))
+                 "again", 100 * policy.margin, 100 * look.best_gain)

@@ -33,7 +33,7 @@ READY_S = 600.0
 # joined late) and the head has served the leader's plan this long (a leader challenged
 # right after its first plan makes another).
 SETTLE_S = 3.0
-SPARE = 0.6  # how far short of one more peer's room the default budgets are (see budget_for)
+SPARE = 0.6  # how far short of one more peer's room the default budgets are (see holder_share)
 
 
 class LocalCluster:
@@ -48,7 +48,7 @@ class LocalCluster:
         arguments for every peer, `peer_args`: for peer i, its own."""
         self.root, self.model_dir, self.count = Path(root), Path(model_dir), peers
         self.progress = progress
-        self.shares = list(shares or [1 / ((holders or peers) - SPARE)] * peers)
+        self.shares = list(shares or [holder_share(holders or peers)] * peers)
         self.cpus = cpus
         self.extra = tuple(extra)
         self.peer_args = [tuple(a) for a in peer_args]
@@ -142,10 +142,15 @@ def _shard(model_dir: Path, state_dir: Path, progress: Callable[[str], None]) ->
 
 
 def budget_for(manifest: Manifest, peers: int, spare: float = SPARE) -> str:
-    """Each peer offers the model's need divided by (peers - spare): one peer fewer falls
-    short (spare < 1), all of them have room to spare for splitting the units contiguously
-    (more of it as `spare` nears 1)."""
-    return budget_share(manifest, 1 / (peers - spare))
+    """The budget of `holder_share`: `peers` of them hold the model."""
+    return budget_share(manifest, holder_share(peers, spare))
+
+
+def holder_share(peers: int, spare: float = SPARE) -> float:
+    """Each of `peers` offers the model's need divided by (peers - spare): one peer fewer
+    falls short (spare < 1), all of them have room to spare for splitting the units
+    contiguously (more of it as `spare` nears 1)."""
+    return 1 / (peers - spare)
 
 
 def budget_share(manifest: Manifest, share: float) -> str:

@@ -37,6 +37,11 @@ class Look:
     best_s: float
     broken: str | None = None  # why the deployed plan no longer holds
 
+    @property
+    def best_gain(self) -> float:
+        """How much faster the best plan is predicted to be: current / best - 1."""
+        return self.current_s / self.best_s - 1
+
 
 @dataclasses.dataclass(frozen=True)
 class State:
@@ -54,7 +59,7 @@ class Decision:
 def apply(state: State, policy: Policy, look: Look) -> tuple[State, Decision | None]:
     if look.broken is not None:
         return State(None, look.now), _decide(look, policy, look.broken)
-    if look.current_s / look.best_s - 1 < policy.margin:
+    if look.best_gain < policy.margin:
         return dataclasses.replace(state, better_since=None), None
     since = look.now if state.better_since is None else state.better_since
     waiting = look.now - since < policy.sustain_s
@@ -70,6 +75,6 @@ def _decide(look: Look, policy: Policy, broken: str | None) -> Decision:
     ):
         gain = look.current_s / boundaries - 1
         return Decision(False, gain, f"moving boundaries is predicted {gain:.0%} faster")
-    gain = look.current_s / look.best_s - 1 if math.isfinite(look.current_s) else math.inf
+    gain = look.best_gain if math.isfinite(look.current_s) else math.inf
     why = broken or f"a new plan is predicted {gain:.0%} faster"
     return Decision(True, gain, why)

@@ -9,13 +9,13 @@ Plugged in again, it gets work back.
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 from pathlib import Path
 
 import netns
 import pytest
+from battery_file import set_battery
 from streaming import ANSWER_S, DEPLOYED_S, Answer, serving_plan, shard_into_caches
 
 from peerd.client import events
@@ -28,12 +28,6 @@ pytestmark = pytest.mark.skipif(
 
 SHED_S = 10.0
 REGAIN_S = 60.0  # the policy's sustain and cooldown, a measurement round and a deployment
-
-
-def _battery(path, percent: float, plugged: bool) -> None:
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps({"percent": percent, "plugged": plugged}))
-    temporary.replace(path)
 
 
 class EventLog:
@@ -74,7 +68,7 @@ def test_a_peer_on_low_battery_sheds_its_units_mid_answer_and_takes_work_back(lo
     manifest = shard_into_caches(model_dir, dirs[:1])
     batteries = [d / "battery.json" for d in dirs]
     for path in batteries:
-        _battery(path, 100, True)
+        set_battery(path, 100, True)
     budget = budget_for(manifest, 2)
     args = {i: ["--memory-budget", budget, "--battery-file", str(batteries[i])]
             for i in range(3)}
@@ -93,7 +87,7 @@ def test_a_peer_on_low_battery_sheds_its_units_mid_answer_and_takes_work_back(lo
         answers = [Answer(peers[0], prompt) for prompt in prompts]
         netns.wait_for(lambda: all(len(a.tokens) >= 3 for a in answers), ANSWER_S,
                        "every answer streaming")
-        _battery(batteries[shedder], 15, False)
+        set_battery(batteries[shedder], 15, False)
         unplugged = time.monotonic()
         netns.wait_for(lambda: _units(peers, peers[shedder].id) == [], SHED_S,
                        "the peer on low battery to hold no units")
@@ -112,6 +106,6 @@ def test_a_peer_on_low_battery_sheds_its_units_mid_answer_and_takes_work_back(lo
             "an answer re-prefilled though every peer was alive to move its K/V"
         )
 
-        _battery(batteries[shedder], 15, True)
+        set_battery(batteries[shedder], 15, True)
         netns.wait_for(lambda: _units(peers, peers[shedder].id), REGAIN_S,
                        "the peer plugged in again to get work back")

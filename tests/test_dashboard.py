@@ -12,13 +12,13 @@ reasons, and the new plan's residual links in the picture.
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from battery_file import set_battery
 from netns import PEERD
 from sharding import reference
 from waiting import eventually
@@ -61,16 +61,10 @@ def two_hold(cluster, tmp_path):
     shutil.copytree(first.dirs[0] / "shards", tmp_path / "peer0" / "shards")
     batteries = [tmp_path / f"battery{i}.json" for i in range(3)]
     for path in batteries:
-        _battery(path, 100, True)
+        set_battery(path, 100, True)
     with LocalCluster(tmp_path, model_dir, peers=3, progress=lambda line: None, holders=2,
                       peer_args=[["--battery-file", str(p)] for p in batteries]) as running:
         yield running, batteries
-
-
-def _battery(path: Path, percent: float, plugged: bool) -> None:
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps({"percent": percent, "plugged": plugged}))
-    temporary.replace(path)
 
 
 def _dir_of(cluster: LocalCluster, peer_id: str) -> Path:
@@ -244,7 +238,7 @@ async def test_a_rebalance_shows_in_the_log_with_its_reason(two_hold):
         app = pilot.app
         await eventually(lambda: app.status, "the first status", SHOWN_S)
         log = app.query_one(EventLog)
-        _battery(batteries[index], 15, False)
+        set_battery(batteries[index], 15, False)
         moved = await eventually(lambda: log.of_kind("rebalance"),
                                  "a rebalance in the event log", SHOWN_S)
         assert "on battery at 15%" in moved[-1].line
