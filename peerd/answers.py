@@ -75,6 +75,9 @@ class Answers:
         self._running = 0
         self._reserved = 0  # K/V tokens reserved by running answers
         self._tasks: set[asyncio.Task] = set()
+        # answers moved to a new plan since this peer started: with their K/V, re-prefilled
+        self._moved_with_kv = 0
+        self._re_prefilled = 0
 
     # -- the plan ----------------------------------------------------------------------------
     def use(self, plane: DataPlane | None, kv_tokens: int = 0, problem: str | None = None) -> None:
@@ -121,11 +124,13 @@ class Answers:
                 generation.moved(moved.seq_id)
                 plane = moved.plane
                 kv_moved += 1
+                self._moved_with_kv += 1
             except PlaneClosed:
                 log.info("answer %s moves to the next plan after %d tokens",
                          generation.seq_id, len(generation.tokens))
                 generation.restart(uuid.uuid4().hex)
                 left, plane = plane, None
+                self._re_prefilled += 1
             resumed += 1
         return Answered(generation.tokens, [], resumed, kv_moved)
 
@@ -184,4 +189,5 @@ class Answers:
 
     def status(self) -> dict[str, int]:
         return {"running": self._running, "waiting": len(self._line),
-                "kv_reserved_tokens": self._reserved, "kv_reserve_tokens": self._now.kv_tokens}
+                "kv_reserved_tokens": self._reserved, "kv_reserve_tokens": self._now.kv_tokens,
+                "moved_with_kv": self._moved_with_kv, "re_prefilled": self._re_prefilled}

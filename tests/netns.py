@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 PEERD = [sys.executable, "-m", "peerd"]
 HERE = Path(__file__).resolve()
 
@@ -40,6 +42,11 @@ def unavailable_reason() -> str | None:
     if probe.returncode != 0:
         return f"`ip netns` is unavailable: {probe.stderr.strip()}"
     return None
+
+
+needs_namespaces = pytest.mark.skipif(
+    unavailable_reason() is not None, reason=str(unavailable_reason())
+)
 
 
 def _ip(*args: str) -> None:

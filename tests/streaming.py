@@ -1,9 +1,14 @@
 """Chats streamed from real daemons' sockets in background threads, and the model set-up
 that the survival and rebalancing tests share: every peer's cache pre-sharded, and answers
-long enough to be interrupted."""
+long enough to be interrupted.
+
+A test that needs an answer in flight when something happens to the cluster asks for one
+far longer than the event takes and ends it itself (`Answer.end`) once it has seen what it
+waited for, rather than hoping that a fixed number of tokens outlasts the cluster's clock."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -32,19 +37,33 @@ class Answer(threading.Thread):
         self.done: dict | None = None
         self.error: str | None = None
         self.ended_at: float | None = None
+        self._end = threading.Event()
         self.start()
 
     def run(self) -> None:
+        request = {"prompt_ids": self.prompt, "max_tokens": self.max_tokens}
         try:
-            request = {"prompt_ids": self.prompt, "max_tokens": self.max_tokens}
-            for event in chat_events(self.peer.state_dir, request, ANSWER_S):
-                if event.get("event") == "token":
-                    self.tokens.append(event["token"])
-                else:
-                    self.done, self.error = event, event.get("error")
+            with contextlib.closing(chat_events(self.peer.state_dir, request, ANSWER_S)) as chat:
+                for event in chat:
+                    if event.get("event") == "token":
+                        self.tokens.append(event["token"])
+                    else:
+                        self.done, self.error = event, event.get("error")
+                    if self._end.is_set():
+                        break  # closing the connection ends the answer on every peer
         except Exception as exc:  # noqa: BLE001 - the test reports whatever ended the answer
             self.error = f"{type(exc).__name__}: {exc}"
         self.ended_at = time.monotonic()
+
+    @property
+    def in_flight(self) -> bool:
+        return self.ended_at is None
+
+    def end(self) -> None:
+        """Stop reading at the next token (the daemon ends the answer) and wait for that."""
+        self._end.set()
+        self.join(ANSWER_S)
+        assert not self.is_alive(), "the answer did not end after its client left"
 
 
 def shard_into_caches(model_dir: Path, dirs: list[Path]) -> Manifest:
@@ -56,6 +75,12 @@ def shard_into_caches(model_dir: Path, dirs: list[Path]) -> Manifest:
     for state_dir in dirs[1:]:
         shutil.copytree(key_dir, state_dir / "shards" / key_dir.name)
     return Manifest.load(key_dir)
+
+
+def head_of(peers: list[netns.Peer]) -> netns.Peer | None:
+    """The peer that admits the answers of the serving plan (it counts their moves)."""
+    return next((p for p in peers if ((p.status() or {}).get("dataplane") or {}).get("head")),
+                None)
 
 
 def serving_plan(peers: list[netns.Peer]) -> dict | None:

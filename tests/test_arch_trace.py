@@ -66,6 +66,7 @@ def export(model, config, path, dynamo: bool) -> None:
     ("llama", False), ("mistral", False), ("qwen2", False), ("gpt2", False), ("bloom", False),
     ("mistral", True), ("bloom", True),
 ])
+@pytest.mark.slow
 def test_onnx_export_runs_in_onnxruntime(hf_checkpoint, tmp_path, family, dynamo):
     # a window shorter than the prompt, so that the exported window logic is exercised
     options = {"sliding_window": 5} if family == "mistral" else {}

@@ -150,6 +150,7 @@ def _wait_for(condition, what: str, timeout: float):
     return value
 
 
+@pytest.mark.cluster
 def test_a_terminal_session_is_one_conversation_until_reset(cluster, model_dir):
     first, second, third = "hello world", "how are you today?", "tell me about the fox"
     session = Terminal(_chat(cluster.dirs[1], "--max-tokens", str(SHORT)))
@@ -176,6 +177,7 @@ def test_a_terminal_session_is_one_conversation_until_reset(cluster, model_dir):
         session.close()
 
 
+@pytest.mark.cluster
 def test_ctrl_c_stops_the_answer_on_every_peer_and_the_session_goes_on(cluster):
     before = [plane["steps"] for plane in _dataplanes(cluster)]
     session = Terminal(_chat(cluster.dirs[1], "--max-tokens", str(LONG)))
@@ -200,6 +202,7 @@ def test_ctrl_c_stops_the_answer_on_every_peer_and_the_session_goes_on(cluster):
         session.close()
 
 
+@pytest.mark.cluster
 def test_piped_lines_are_one_conversation_with_the_sampling_flags_on_every_turn(
     cluster, model_dir
 ):
@@ -227,6 +230,7 @@ def test_piped_lines_are_one_conversation_with_the_sampling_flags_on_every_turn(
     assert piped.stderr.decode().count(PROMPT) == 3  # none after /exit
 
 
+@pytest.mark.cluster
 def test_a_model_without_a_tokenizer_asks_for_token_ids(model_dir, tmp_path):
     bare = tmp_path / "no-tokenizer"
     shutil.copytree(model_dir, bare, ignore=shutil.ignore_patterns("tokenizer*"))

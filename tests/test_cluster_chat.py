@@ -21,9 +21,7 @@ from sharding import reference
 
 from shards.manifest import Manifest
 
-pytestmark = pytest.mark.skipif(
-    netns.unavailable_reason() is not None, reason=str(netns.unavailable_reason())
-)
+pytestmark = [pytest.mark.cluster, netns.needs_namespaces]
 
 # Per peer, so that no single peer can hold the model (0.7 of it is offered) but all can.
 BUDGETS = {"llama": "1MB", "bloom": "4MB"}

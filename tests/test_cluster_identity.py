@@ -5,9 +5,7 @@ import shutil
 import netns
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    netns.unavailable_reason() is not None, reason=str(netns.unavailable_reason())
-)
+pytestmark = [pytest.mark.cluster, netns.needs_namespaces]
 
 
 def test_two_daemons_with_one_identity_are_reported_and_kept_out(tmp_path):

@@ -7,9 +7,7 @@ import sys
 import netns
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    netns.unavailable_reason() is not None, reason=str(netns.unavailable_reason())
-)
+pytestmark = [pytest.mark.cluster, netns.needs_namespaces]
 
 
 def _form(peers):

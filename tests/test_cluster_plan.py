@@ -21,9 +21,7 @@ from peerd.planning import context_for
 from planner.model import Cluster
 from shards.manifest import Manifest
 
-pytestmark = pytest.mark.skipif(
-    netns.unavailable_reason() is not None, reason=str(netns.unavailable_reason())
-)
+pytestmark = [pytest.mark.cluster, netns.needs_namespaces]
 
 # The 4-layer test llama needs ~1.05 MB (weights + KV for its 256 positions); a peer offers
 # 0.7 x 1 MB, so the model takes at least two of them.
@@ -43,11 +41,9 @@ def cluster(hf_checkpoint, tmp_path_factory):
         yield peers
 
 
-def test_with_the_model_sharded_the_cluster_forms_and_deploys_it_within_15s(
-    hf_checkpoint, tmp_path
-):
+def test_with_the_model_sharded_the_cluster_forms_and_deploys_it(hf_checkpoint, tmp_path):
     """A peer restarting with its shard cache: formation by mDNS, election, measurement,
-    the plan and every stage loaded, all within 15 s of starting the daemons."""
+    the plan and every stage loaded (how fast: `python -m bench.cluster`)."""
     model_dir = hf_checkpoint("llama", layers=4)
     dirs = netns.make_state_dirs(tmp_path, 3)
     subprocess.run(
@@ -64,8 +60,7 @@ def test_with_the_model_sharded_the_cluster_forms_and_deploys_it_within_15s(
             agreed = netns.agreement([p.status() for p in peers], ids)
             return agreed and netns.deployed_plan(peers)
 
-        plan = netns.wait_for(formed_and_deployed, 15 - (time.monotonic() - started),
-                              "formation and a deployed plan")
+        plan = netns.wait_for(formed_and_deployed, DEPLOYED_S, "formation and a deployed plan")
         print(f"formed and deployed in {time.monotonic() - started:.1f}s")
     assert len({stage["peer"] for stage in plan["stages"]}) >= 2
 

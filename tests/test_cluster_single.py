@@ -12,6 +12,8 @@ import pytest
 from peerd import client, statedir
 from peerd.errors import PeerdError
 
+pytestmark = pytest.mark.cluster
+
 PEERD = [sys.executable, "-m", "peerd"]
 
 

@@ -3,9 +3,7 @@
 import netns
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    netns.unavailable_reason() is not None, reason=str(netns.unavailable_reason())
-)
+pytestmark = [pytest.mark.cluster, netns.needs_namespaces]
 
 PORT = 7700
 

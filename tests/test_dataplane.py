@@ -172,6 +172,8 @@ async def test_answers_move_with_their_k_v_to_a_plan_that_splits_the_units_anew(
         assert result.tokens == streamed == reference(model, prompt, 24)
     assert results[-1].tokens == running[-1][1] == uninterrupted
     assert all(r.resumed == r.kv_moved == 1 for r in results)
+    assert {k: head.status()[k] for k in ("moved_with_kv", "re_prefilled")} == {
+        "moved_with_kv": len(results), "re_prefilled": 0}
     last = c.planes["1.2"].worker.counters
     assert last.received_bytes["hidden1"] == last.steps * HIDDEN * 4, "a step re-prefilled"
     assert b.executor.sequence_count == 0
@@ -198,6 +200,7 @@ async def test_an_answer_whose_k_v_cannot_all_move_re_prefills_and_leaves_nothin
     result = await asyncio.wait_for(task, 30)
     assert result.tokens == reference(model, [4, 2], 24)
     assert (result.resumed, result.kv_moved) == (1, 0)
+    assert (head.status()["moved_with_kv"], head.status()["re_prefilled"]) == (0, 1)
     assert executor.sequence_count == 0, "the part of the K/V that did move was freed"
 
 
@@ -213,7 +216,7 @@ async def test_an_answer_waits_for_k_v_room_and_one_too_long_is_refused(ring):
     first.cancel()
     assert len((await asyncio.wait_for(second, 20)).tokens) == 200
     assert head.status() == {"running": 0, "waiting": 0, "kv_reserved_tokens": 0,
-                             "kv_reserve_tokens": 1000}
+                             "kv_reserve_tokens": 1000, "moved_with_kv": 0, "re_prefilled": 0}
 
 
 async def test_answers_without_a_next_plan_end_with_the_leaders_reason(ring):

@@ -8,12 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from peerd.model_host import ModelHost
 from peerd.protocol import UnitChunk, UnitChunkRequest
 from peerd.unit_transfer import ChunkServer
 from shards.manifest import Manifest
 
 
+@pytest.mark.slow
 async def test_the_model_is_sharded_in_a_child_process_and_offered(hf_checkpoint, tmp_path,
                                                                    caplog):
     host = ModelHost(hf_checkpoint("llama"), tmp_path)

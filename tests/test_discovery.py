@@ -112,6 +112,7 @@ class Seen:
         self.departures.append((peer_id, instance))
 
 
+@pytest.mark.slow
 async def test_mdns_finds_members_ignores_and_counts_strangers_and_notices_goodbyes():
     seen = Seen()
     me, member, stranger = make_record("me"), make_record("member"), make_record("stranger")

@@ -22,6 +22,7 @@ def llama(hf_checkpoint):
     return sharded(hf_checkpoint("llama"))
 
 
+@pytest.mark.slow
 def test_kv_bytes_follow_the_manifest_and_drop_frees_them(llama):
     manifest, directory = llama.manifest, llama.directory
     stage = StageExecutor(manifest, directory, 1, 3)

@@ -124,6 +124,7 @@ def test_a_foreign_non_empty_output_directory_is_refused(llama, tmp_path):
         shard(model_dir, tmp_path)
 
 
+@pytest.mark.slow
 def test_sharded_bfloat16_checkpoint_generates_like_transformers(hf_checkpoint):
     model_dir = hf_checkpoint("qwen2", layers=1, dtype="bfloat16", max_shard_size="40KB")
     result = sharded(model_dir)
@@ -134,6 +135,7 @@ def test_sharded_bfloat16_checkpoint_generates_like_transformers(hf_checkpoint):
     assert run.token_ids == tokens
 
 
+@pytest.mark.slow
 def test_int8_units_are_smaller_and_mostly_agree_with_float32(llama):
     model_dir, fp32 = llama
     int8 = sharded(model_dir, int8=True)

@@ -325,6 +325,7 @@ def _answered(sock: zmq.Socket, req: int) -> bool:
 
 # Each example runs against the same live cluster, so shrinking a failure would replay it
 # many times over; the failing batch is noted message by message instead.
+@pytest.mark.cluster
 @settings(max_examples=25, deadline=None, database=None,
           phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

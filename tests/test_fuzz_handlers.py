@@ -18,6 +18,7 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
+import pytest
 from daemon_objects import join, unstarted_daemon
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -66,6 +67,7 @@ def stale_messages(draw):
         return None
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.filter_too_much])

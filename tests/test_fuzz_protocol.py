@@ -18,6 +18,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from wire_strategies import KINDS, carries_tensors, fields, integers, msgpack_values, sample
@@ -124,6 +125,7 @@ def test_arbitrary_msgpack_headers_are_refused_or_decoded_whole(header, frames):
     _decoded_or_refused([msgpack.packb(header, use_bin_type=True), *frames])
 
 
+@pytest.mark.slow
 @FUZZ
 @given(kind_shaped())
 def test_headers_shaped_like_every_kind_decode_whole_or_are_refused(frames):

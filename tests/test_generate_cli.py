@@ -31,6 +31,7 @@ def _generate_json(model_dir, *args: str) -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("family", "parts"), [("llama", 3), ("bloom", 6), ("gpt2", 2)])
 def test_greedy_cli_equals_transformers_generate(hf_checkpoint, family, parts):
     model_dir = hf_checkpoint(family)

@@ -27,6 +27,7 @@ def _run(result, parts: int, params: SamplingParams = GREEDY, fp16_wire: bool = 
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_equals_transformers_at_every_split(hf_checkpoint, family):
     model_dir = hf_checkpoint(family)

@@ -99,6 +99,7 @@ BAD_REQUESTS = [
 ]
 
 
+@pytest.mark.cluster
 def test_bad_requests_get_one_json_error_each_and_the_connection_keeps_working(daemon):
     state_dir, expected = daemon
     logged = len(_log(state_dir))
@@ -114,6 +115,7 @@ def test_bad_requests_get_one_json_error_each_and_the_connection_keeps_working(d
     _healthy(state_dir, expected, logged)
 
 
+@pytest.mark.cluster
 def test_a_client_that_leaves_mid_answer_frees_its_sequence(daemon):
     state_dir, expected = daemon
     logged = len(_log(state_dir))
@@ -126,6 +128,7 @@ def test_a_client_that_leaves_mid_answer_frees_its_sequence(daemon):
     _healthy(state_dir, expected, logged)
 
 
+@pytest.mark.cluster
 def test_a_client_that_leaves_before_its_answer_is_read_or_mid_request(daemon):
     state_dir, expected = daemon
     logged = len(_log(state_dir))
@@ -138,6 +141,7 @@ def test_a_client_that_leaves_before_its_answer_is_read_or_mid_request(daemon):
     _healthy(state_dir, expected, logged)
 
 
+@pytest.mark.cluster
 def test_a_hundred_clients_at_once_are_all_answered(daemon):
     """100 subscribers and 200 status requests whose connections all arrive in one burst,
     before the daemon accepts any (a short listen queue would refuse most of them)."""

@@ -150,6 +150,7 @@ def _request(cluster: Cluster, method: str, path: str, body: bytes | None = None
         connection.close()
 
 
+@pytest.mark.cluster
 def test_a_streamed_chat_completion_equals_peerd_chat_json(cluster, peerd_chat):
     stream = cluster.client().chat.completions.create(
         model="anything", messages=[{"role": "user", "content": PROMPT}], stream=True,
@@ -170,6 +171,7 @@ def test_a_streamed_chat_completion_equals_peerd_chat_json(cluster, peerd_chat):
     assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].model == cluster.model_dir.name
 
 
+@pytest.mark.cluster
 def test_a_chat_completion_without_streaming_is_the_same_answer(cluster, peerd_chat):
     answer = cluster.client().chat.completions.create(
         model="anything", messages=[{"role": "user", "content": PROMPT}],
@@ -184,6 +186,7 @@ def test_a_chat_completion_without_streaming_is_the_same_answer(cluster, peerd_c
     )
 
 
+@pytest.mark.cluster
 def test_completions_encode_plain_text_without_the_chat_template(cluster):
     openai = cluster.client()
     text = "the quick brown fox"
@@ -199,6 +202,7 @@ def test_completions_encode_plain_text_without_the_chat_template(cluster):
     assert streamed[-1].choices[0].finish_reason == answer.finish_reason
 
 
+@pytest.mark.cluster
 def test_finish_reason_is_stop_exactly_when_the_answer_ends_with_eos(cluster):
     ended = reference(cluster.model_dir, (7,), 40, stop_at_eos=True)[0]
     assert ended[-1] == Tokenizer.from_dir(cluster.model_dir).eos_token_id, "an answer that ends"
@@ -209,11 +213,13 @@ def test_finish_reason_is_stop_exactly_when_the_answer_ends_with_eos(cluster):
         assert answer.finish_reason == reason
 
 
+@pytest.mark.cluster
 def test_models_lists_the_served_model(cluster):
     models = cluster.client().models.list()
     assert [m.id for m in models.data] == [cluster.model_dir.name]
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize(
     "method, path, body, status, code",
     [
@@ -237,6 +243,7 @@ def test_bad_requests_get_openai_shaped_errors(cluster, method, path, body, stat
     assert _request(cluster, "GET", "/v1/models")[0] == 200, "the endpoint keeps answering"
 
 
+@pytest.mark.cluster
 def test_the_openai_client_raises_on_a_bad_request(cluster):
     with pytest.raises(BadRequestError, match='"n" must be 1'):
         cluster.client().chat.completions.create(

@@ -210,12 +210,14 @@ def fits(cluster: Cluster, workload: Workload, stages: list[Stage]) -> bool:
                <= capacity(cluster, cluster.device(stage.peer)) * (1 + 1e-9) for stage in stages)
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(clusters(), workloads())
 def test_milp_equals_exhaustive_search_for_both_objectives(cluster, workload):
     assert_milp_optimal(cluster, workload)
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(clusters(), sharded_workloads())
 def test_milp_equals_exhaustive_search_on_sharded_models(cluster, workload):
@@ -240,6 +242,7 @@ def assert_milp_optimal(cluster: Cluster, workload: Workload) -> None:
         assert plan.solver == "milp"
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(clusters(), sharded_workloads())
 def test_the_exact_methods_bounds_hold(cluster, workload):
@@ -263,6 +266,7 @@ def test_the_exact_methods_bounds_hold(cluster, workload):
         assert relaxed.bound <= tightened.bound <= latency * (1 + 1e-9)
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(clusters(), workloads())
 def test_dp_is_optimal_for_its_sequential_model(cluster, workload):
@@ -277,6 +281,7 @@ def test_dp_is_optimal_for_its_sequential_model(cluster, workload):
         assert plan.predicted.objective(objective) == pytest.approx(best[objective], rel=1e-9)
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(clusters(), workloads(), st.sampled_from(OBJECTIVES))
 def test_every_returned_plan_satisfies_every_constraint(cluster, workload, objective):

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from sharding import sharded, state_dir
 
 
@@ -19,6 +20,7 @@ def _peerd(*args: str, state: str | None = None) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_shard_exports_once_with_progress_then_reuses(hf_checkpoint, tmp_path):
     model_dir = hf_checkpoint("llama", layers=1)
     out = tmp_path / "units"

@@ -186,6 +186,7 @@ def start_under(manager: ServiceManager, state_dir: Path, **env: str) -> subproc
     return manager.service
 
 
+@pytest.mark.cluster
 def test_the_daemon_notifies_ready_feeds_the_watchdog_and_notifies_stopping(manager, state_dir):
     daemon = start_under(manager, state_dir, WATCHDOG_USEC="1000000")
     try:
@@ -212,6 +213,7 @@ def test_the_daemon_notifies_ready_feeds_the_watchdog_and_notifies_stopping(mana
             daemon.wait(timeout=10)
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize(
     "env, reason",
     [

@@ -138,6 +138,7 @@ async def test_a_full_disk_is_one_clear_line_leaves_the_cache_consistent_and_res
 PROMPT, NEW_TOKENS = [2, 7, 1, 8], 8
 
 
+@pytest.mark.cluster
 def test_two_daemons_a_receiver_with_a_full_disk_reports_it_and_recovers_once_there_is_room(
     hf_checkpoint, tmp_path,
 ):
