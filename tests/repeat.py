@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -74,6 +75,9 @@ def run_once(pytest_args: list[str], report: Path) -> tuple[int, float]:
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          f"--junitxml={report}", *pytest_args],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        # A shell runs background jobs with SIGINT ignored, and children inherit that:
+        # the tests must see a terminal's Ctrl-C as they would in the foreground.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     return done.returncode, time.monotonic() - started
 
@@ -110,10 +114,12 @@ def main(argv: list[str] | None = None) -> int:
                 outcome.durations.append(duration)
                 if failed:
                     outcome.failures.append(message)
-            failed_now = sum(failed for failed, _, _ in results.values())
+            failed_now = [name for name, (failed, _, _) in results.items() if failed]
             codes.append(code)
-            print(f"run {run}: {len(results)} tests, {failed_now} failed, exit {code}, "
+            print(f"run {run}: {len(results)} tests, {len(failed_now)} failed, exit {code}, "
                   f"{seconds:.0f} s", flush=True)
+            for name in failed_now:
+                print(f"    failed: {name}", flush=True)
     return report_table(outcomes, codes)
 
 

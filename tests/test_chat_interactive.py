@@ -15,6 +15,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import termios
@@ -45,7 +46,8 @@ def _cluster(root: Path, model_dir: Path, peers: int) -> LocalCluster:
     """A cluster whose model peer (LocalCluster's peer0) finds the model sharded already."""
     result = sharded(model_dir)
     shutil.copytree(result.directory, root / "peer0" / SHARDS_SUBDIR / result.directory.name)
-    return LocalCluster(root, model_dir, peers=peers, progress=lambda line: None)
+    return LocalCluster(root, model_dir, peers=peers, progress=lambda line: None,
+                        extra=["--no-rebalance"])  # the tests count one plane's steps
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,7 @@ class Terminal:
         termios.tcsetattr(tty, termios.TCSANOW, attrs)
         self.process = subprocess.Popen(
             args, stdin=tty, stdout=tty, stderr=tty, start_new_session=True,
-            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+            preexec_fn=_controlling_terminal,
         )
         os.close(tty)
         self.screen = b""
@@ -117,6 +119,13 @@ class Terminal:
             self.process.kill()
         self.process.wait(timeout=10)
         os.close(self.fd)
+
+
+def _controlling_terminal() -> None:
+    """In the child: the pty on stdin becomes its controlling terminal, and Ctrl-C is
+    SIGINT's default again (a background job of a shell inherits it ignored)."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _chat(state_dir: Path, *args: str) -> list[str]:

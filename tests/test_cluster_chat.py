@@ -95,7 +95,7 @@ def test_eight_chats_at_once_are_exact_and_a_cancelled_one_frees_its_state(clust
         assert process.returncode == 0, err
         assert json.loads(out)["token_ids"] == _expected(model_dir, prompt)
     deadline = time.monotonic() + 10
-    while any(p.status()["dataplane"]["sequences"] for p in peers):
+    while any(p.status() is None or p.status()["dataplane"]["sequences"] for p in peers):
         assert time.monotonic() < deadline, "every peer frees the K/V of every sequence"
         time.sleep(0.1)
 

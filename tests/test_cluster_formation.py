@@ -12,7 +12,6 @@ import pytest
 
 pytestmark = [pytest.mark.cluster, netns.needs_namespaces]
 
-FORMED_S = 60.0
 LED_AGAIN_S = 30.0
 
 
@@ -22,7 +21,7 @@ def test_three_peers_find_each_other_by_mdns_agree_on_a_leader_and_measure_all(t
     with netns.cluster(dirs) as (_, peers):
         ids = [p.id for p in peers]
         agreed = netns.wait_for(
-            lambda: netns.agreement([p.status() for p in peers], ids), timeout=FORMED_S,
+            lambda: netns.agreement([p.status() for p in peers], ids), timeout=netns.FORMED_S,
             what="three peers to agree on a leader and measure every peer and link",
         )
         print(f"formed in {time.monotonic() - started:.1f}s")
@@ -39,7 +38,7 @@ def test_killing_the_leader_elects_a_new_one_with_a_higher_epoch(tmp_path):
     with netns.cluster(netns.make_state_dirs(tmp_path, 3)) as (_, peers):
         first = netns.wait_for(
             lambda: netns.agreement([p.status() for p in peers], [p.id for p in peers]),
-            timeout=FORMED_S, what="the cluster to form",
+            timeout=netns.FORMED_S, what="the cluster to form",
         )
         leader = next(p for p in peers if p.id == first["leader"])
         survivors = [p for p in peers if p is not leader]

@@ -13,8 +13,14 @@ pytestmark = [pytest.mark.cluster, netns.needs_namespaces]
 def _form(peers):
     return netns.wait_for(
         lambda: netns.agreement([p.status() for p in peers], [p.id for p in peers]),
-        timeout=30, what="the members to form a cluster",
+        timeout=netns.FORMED_S, what="the members to form a cluster",
     )
+
+
+def _security(peer, counter: str) -> int:
+    """One of the peer's security counters; -1 while it cannot answer."""
+    status = peer.status()
+    return status["security"][counter] if status else -1
 
 
 def _public_keys(peers) -> dict[str, str]:
@@ -41,7 +47,7 @@ def test_a_peer_of_another_cluster_is_never_a_member_and_cannot_handshake(tmp_pa
         members, stranger = everyone[:3], everyone[3]
         _form(members)
         netns.wait_for(
-            lambda: all(p.status()["security"]["ignored_records"] >= 1 for p in everyone),
+            lambda: all(_security(p, "ignored_records") >= 1 for p in everyone),
             timeout=15, what="every daemon to have seen and refused the other cluster's record",
         )
         for status in (p.status() for p in members):
@@ -77,7 +83,7 @@ def test_garbage_on_every_port_leaves_every_daemon_running_and_correct(tmp_path)
         assert sent["tcp"] == 18 and sent["member"] > 0
 
         netns.wait_for(
-            lambda: all(p.status()["security"]["malformed_messages"] > 0 for p in peers[:2]),
+            lambda: all(_security(p, "malformed_messages") > 0 for p in peers[:2]),
             timeout=10, what="the junk to reach the decoders and be dropped",
         )
         assert all(p.running() for p in peers)

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.cluster, netns.needs_namespaces]
 # 0.7 x 1 MB, so the model takes at least two of them.
 BUDGET = "1MB"
 SHARDED_S = 240  # exporting in the model peer's child process, on a busy 2-core CI machine
-DEPLOYED_S = 60
+DEPLOYED_S = 120  # formation, measurement, the plan and every stage loaded
 REPLANNED_S = 60
 
 
@@ -100,8 +100,10 @@ def test_the_plan_spreads_the_model_and_every_peer_loads_exactly_its_units(clust
 def test_killing_a_peer_makes_the_survivors_replan_without_it(cluster):
     peers = cluster
     model_peer = peers[0]
+    with netns.logs_on_failure(peers):  # deployed by now, unless this test runs alone
+        plan = netns.wait_for(lambda: netns.deployed_plan(peers), SHARDED_S + DEPLOYED_S,
+                              "a plan deployed on every peer")
     status = model_peer.status()
-    plan = status["plan"]
     if status["leader"] != model_peer.id:
         victim = next(p for p in peers if p.id == status["leader"])
     else:
@@ -129,9 +131,11 @@ def test_when_the_survivors_cannot_hold_the_model_status_says_why(cluster):
         if not status or status["leader"] != model_peer.id or not status["plan"]:
             return None
         unloaded = status["peers"][0]["units"] == [] and status["deployment"]["units"] == []
-        return unloaded and not status["plan"]["stages"] and status["plan"]["problem"]
+        problem = status["plan"]["problem"] or ""
+        return unloaded and not status["plan"]["stages"] and "model needs" in problem and problem
 
     with netns.logs_on_failure(peers):
-        reason = netns.wait_for(problem, REPLANNED_S, "the lone model peer to report no plan")
+        reason = netns.wait_for(problem, SHARDED_S + REPLANNED_S,
+                                "the lone model peer to report no plan")
     assert reason.startswith("model needs") and "usable peers offer" in reason
     assert model_peer.running()

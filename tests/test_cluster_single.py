@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from netns import FORMED_S
 
 from peerd import client, statedir
 from peerd.errors import PeerdError
@@ -21,7 +22,7 @@ def _peerd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([*PEERD, *args], capture_output=True, text=True, timeout=timeout)
 
 
-def _wait_until_leading(state_dir, process, timeout: float = 20.0) -> dict:
+def _wait_until_leading(state_dir, process, timeout: float = FORMED_S) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert process.poll() is None, "the daemon exited"

@@ -20,7 +20,7 @@ def test_peers_behind_a_multicast_block_join_by_hello(tmp_path):
             agreed = netns.wait_for(
                 lambda: netns.agreement([first.status(), second.status()],
                                         [first.id, second.id]),
-                timeout=20, what="the two peers to find each other by hello",
+                timeout=netns.FORMED_S, what="the two peers to find each other by hello",
             )
         except BaseException:
             for peer in network.peers:

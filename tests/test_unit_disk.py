@@ -154,7 +154,9 @@ def test_two_daemons_a_receiver_with_a_full_disk_reports_it_and_recovers_once_th
                               "the receiver to report its full disk")
             assert failed["detail"].startswith(f"no space left in {disk}")
             assert "\n" not in failed["detail"]
-            _assert_consistent(UnitStore(disk))
+            # the leader re-sends the plan every round: a retry may be writing just now
+            wait_for(lambda: _consistent(UnitStore(disk)), 10,
+                     "every whole unit file verified, the partial ending at a chunk")
             resize(disk, "64m")
             wait_for(deployed.is_set, 120, "the retried deployment")
             answer = stream_answer(cluster.dirs[0],
@@ -170,15 +172,17 @@ def _failed_deployment(state_dir: Path) -> dict | None:
     return deployment if deployment["state"] == "failed" else None
 
 
-def _assert_consistent(store: UnitStore) -> None:
+def _consistent(store: UnitStore) -> bool:
     """Every whole file verifies, and the partial that hit the full disk ends at a chunk."""
-    files = {path.name: path for path in store.root.iterdir()}
-    partials = [path for name, path in files.items() if name.endswith(".part")]
-    assert partials, sorted(files)
-    assert all(path.stat().st_size % CHUNK_BYTES == 0 for path in partials)
-    for name, path in files.items():
-        if name.endswith(".onnx"):
-            assert file_sha256(path) == name.removesuffix(".onnx")
+    try:
+        files = {path.name: path for path in store.root.iterdir()}
+        partials = [path for name, path in files.items() if name.endswith(".part")]
+        whole = {name.removesuffix(".onnx"): path for name, path in files.items()
+                 if name.endswith(".onnx")}
+        return (bool(partials) and all(p.stat().st_size % CHUNK_BYTES == 0 for p in partials)
+                and all(file_sha256(path) == digest for digest, path in whole.items()))
+    except FileNotFoundError:  # renamed or removed while we looked
+        return False
 
 
 @contextlib.contextmanager
