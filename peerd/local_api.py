@@ -92,6 +92,10 @@ class LocalApi:
         self._connections.add(task)
 
         async def send(answer: dict[str, Any]) -> None:
+            # A write that found the client gone closed the transport; uvloop then raises
+            # RuntimeError on the next write, where the op must see the client leaving.
+            if writer.is_closing():
+                raise ConnectionResetError("the client went away")
             writer.write(json.dumps(answer, separators=(",", ":")).encode() + b"\n")
             await writer.drain()
 

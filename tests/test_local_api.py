@@ -3,10 +3,13 @@
 import argparse
 import asyncio
 import json
+import logging
 import socket
 import stat
+import struct
 
 import pytest
+import uvloop
 
 from peerd import chat, client, election, membership, statedir, status
 from peerd.errors import PeerdError
@@ -205,3 +208,42 @@ def test_chat_explains_that_no_daemon_is_running(tmp_path):
 def test_an_over_long_socket_path_is_refused(tmp_path):
     with pytest.raises(PeerdError, match="too long"):
         LocalApi(tmp_path / ("d" * 120) / "peerd.sock", {})
+
+
+def test_an_answer_to_a_client_that_reset_its_connection_ends_quietly_on_uvloop(tmp_path, caplog):
+    """On the daemon's loop (uvloop), an op streaming to a client that is gone ends with a
+    ConnectionError and nothing is logged as an error. (Under load a uvloop transport was
+    also seen closed before an op's next write, which then raised RuntimeError and logged a
+    traceback; `send` now checks for a closing transport first. That timing is not
+    reproduced here.)"""
+    ended: list[BaseException] = []
+
+    async def chatty(request, send):
+        try:
+            for token in range(200):
+                await send({"event": "token", "token": token})
+                await asyncio.sleep(0.005)
+        except BaseException as exc:
+            ended.append(exc)
+            raise
+
+    async def main() -> None:
+        api = LocalApi(statedir.socket_path(tmp_path), {"chat": chatty})
+        await api.start()
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(api.path))
+            writer.write(b'{"op": "chat"}\n')
+            await reader.readline()  # the first token: the answer is streaming
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()  # gone at once, without reading another line
+            deadline = asyncio.get_running_loop().time() + 10
+            while not ended and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
+        finally:
+            await api.close()
+
+    with caplog.at_level(logging.ERROR), asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
+        r.run(main())
+    assert ended and isinstance(ended[0], ConnectionError), ended
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
