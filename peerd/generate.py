@@ -22,7 +22,7 @@ from peerd.pipeline import Generation, StageWorker, TokenSampler
 from peerd.routing import routes
 from shards.cache import ShardOptions
 from shards.cli import shard_or_reuse
-from shards.errors import ModelError
+from shards.errors import ModelError, NoTokenizer
 from shards.executor import StageExecutor
 from shards.manifest import Manifest
 from shards.sampling import SamplingParams
@@ -148,15 +148,15 @@ def _prompt_ids(args: argparse.Namespace, model_dir: Path) -> list[int]:
     if args.prompt_ids is not None:
         return list(args.prompt_ids)
     try:
-        return Tokenizer.from_dir(model_dir).prompt_ids(args.prompt)
+        return Tokenizer.from_model(model_dir).prompt_ids(args.prompt)
     except ModelError as exc:
         raise PeerdError(str(exc)) from None
 
 
 def _decode(model_dir: Path, token_ids: list[int]) -> str:
-    if not (model_dir / "tokenizer.json").is_file():
-        return ""
     try:
-        return Tokenizer.from_dir(model_dir).decode(token_ids)
+        return Tokenizer.from_model(model_dir).decode(token_ids)
+    except NoTokenizer:
+        return ""
     except ModelError as exc:
         raise PeerdError(str(exc)) from None

@@ -42,7 +42,7 @@ from peerd.protocol import (
     PlanAssignment,
 )
 from peerd.transport import Transport, TransportError
-from shards.errors import ModelError
+from shards.errors import ModelError, NoTokenizer
 from shards.manifest import Manifest
 from shards.sampling import SamplingParams
 from shards.tokenizer import Tokenizer
@@ -457,9 +457,13 @@ class Serving:
                     model.max_positions, manifest.key)
 
     def _load_tokenizer(self) -> Tokenizer | None:
-        if self.model_dir is not None and (self.model_dir / "tokenizer.json").is_file():
-            return Tokenizer.from_dir(self.model_dir)
-        return None
+        if self.model_dir is None:
+            return None
+        try:
+            return Tokenizer.from_model(self.model_dir)
+        except NoTokenizer as exc:
+            log.info("%s", exc)
+            return None
 
     def _retire_all_but(self, keep: DataPlane | None, alive: set[str] | None = None) -> None:
         """Retire every plane but `keep`. Where every peer of a plane is alive, it serves

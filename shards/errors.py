@@ -7,3 +7,7 @@ into `peerd.errors.PeerdError` (same one-line message, exit 1).
 
 class ModelError(Exception):
     """A model directory is missing, malformed or unsupported; the message is one line."""
+
+
+class NoTokenizer(ModelError):
+    """The model has no tokenizer that can be used; it still runs from token ids."""

@@ -1,8 +1,9 @@
-"""Text <-> token ids and the chat template of a checkpoint directory, without torch.
+"""Text <-> token ids and the chat template of a checkpoint directory or GGUF file, without torch.
 
-Reads `tokenizer.json` with the `tokenizers` library and the chat template and special
-tokens from `tokenizer_config.json` (falling back to `chat_template.jinja` and
-`special_tokens_map.json`, where newer and older checkpoints keep them). The template is
+From a directory: `tokenizer.json` with the `tokenizers` library and the chat template and
+special tokens from `tokenizer_config.json` (falling back to `chat_template.jinja` and
+`special_tokens_map.json`, where newer and older checkpoints keep them). From a GGUF file: the
+same three rebuilt from its metadata (shards.gguf.vocab). The template is
 rendered the way transformers renders it: a sandboxed jinja2 environment with
 trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now` and a non-escaping `tojson`.
 """
@@ -22,7 +23,9 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
-from shards.errors import ModelError
+from shards.errors import ModelError, NoTokenizer
+from shards.gguf.file import is_gguf
+from shards.gguf.vocab import read_tokenizer
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -34,11 +37,21 @@ class Tokenizer:
     special_tokens: dict[str, str]  # "bos_token" -> "<s>", ... (only those the checkpoint sets)
 
     @classmethod
+    def from_model(cls, model_path: str | Path) -> Tokenizer:
+        """The tokenizer of a checkpoint directory or a GGUF file; `NoTokenizer` (a
+        ModelError) where it has none that can be used."""
+        return cls.from_gguf(model_path) if is_gguf(model_path) else cls.from_dir(model_path)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        return cls(*read_tokenizer(path))
+
+    @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
-            raise ModelError(
+            raise NoTokenizer(
                 f"no tokenizer: {model_dir} has no tokenizer.json (give the prompt as token ids)"
             )
         try:
