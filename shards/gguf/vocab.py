@@ -5,9 +5,10 @@ llama.cpp's own tokenizers need under `tokenizer.ggml.*`; two kinds are rebuilt 
 
 - "gpt2", byte-level BPE (GPT-2, Llama 3, Qwen2): the tokens (spelt in the byte alphabet), the
   merges, and `pre`, llama.cpp's name for the regex that cuts text into words before BPE. Each
-  name known here maps to that model's own pre-tokenizer (Qwen2 adds NFC, Llama 3 looks whole
-  words up before merging, as llama.cpp does); an unknown name is refused, because the wrong
-  regex gives other ids without any error.
+  name known here maps to that model's own pre-tokenizer (Qwen2 adds NFC, as its
+  tokenizer.json does and llama.cpp does not; Llama 3 looks whole words up before merging, as
+  both do); an unknown name is refused, because the wrong regex gives other ids without any
+  error.
 - "llama", SentencePiece BPE (Llama 2, Mistral): tokens and scores. The merges are recovered from
   the scores (SentencePiece merges the pair whose result scores highest, so a merge ranks by its
   result's score); `▁` stands for spaces and is prepended to each run of text between special
@@ -68,15 +69,13 @@ _GPT2 = _PreTokenizer(split=None)
 _LLAMA3 = _PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True)
 _QWEN2 = _PreTokenizer(_QWEN2_SPLIT, nfc=True)
 
-# llama.cpp's names (llama-vocab.cpp) for the pre-tokenizers of these model families
+# The names llama.cpp (llama-vocab.cpp) gives each of these three regexes
 _PRE_TOKENIZERS = {
-    "gpt-2": _GPT2,
-    "phi-2": _GPT2,
-    "llama-bpe": _LLAMA3,
-    "llama3": _LLAMA3,
-    "llama-v3": _LLAMA3,
-    "qwen2": _QWEN2,
-    "deepseek-r1-qwen": _QWEN2,
+    **dict.fromkeys(("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es",
+                     "jina-v2-de", "a.x-4.0", "mellum"), _GPT2),
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral",
+                     "midm-2.0", "lfm2"), _LLAMA3),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez"), _QWEN2),
 }
 
 _SPECIAL_IDS = {
@@ -135,9 +134,9 @@ def _pre_tokenizer(meta: dict[str, Any], path: str | Path) -> _PreTokenizer:
     try:
         return _PRE_TOKENIZERS[name]
     except KeyError:
-        known = ", ".join(sorted(_PRE_TOKENIZERS))
-        raise NoTokenizer(f"GGUF byte-level tokenizer of {path} has pre-tokenizer {name!r}; "
-                          f"known: {known} {_AS_IDS}") from None
+        raise NoTokenizer(f"GGUF byte-level tokenizer of {path} has pre-tokenizer {name!r}, "
+                          f"not one of llama.cpp's names for the GPT-2, Llama 3 or Qwen2 split "
+                          f"{_AS_IDS}") from None
 
 
 def _merge(text: str) -> tuple[str, str]:
@@ -166,8 +165,8 @@ def _sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int]) ->
 
 def _sentencepiece_merges(tokens: list[str], scores: list[float],
                           types: list[int]) -> list[tuple[str, str]]:
-    """Every split of a normal piece into two normal pieces, best result score first (ties by
-    the halves' ids, as transformers orders them)."""
+    """Every split of a normal piece into two normal pieces, best result score first (ties,
+    rare as SentencePiece scores differ piece by piece, by the halves' ids)."""
     ids = {token: i for i, token in enumerate(tokens) if types[i] == TokenType.NORMAL}
     ranked = []
     for token, token_id in ids.items():
@@ -180,10 +179,11 @@ def _sentencepiece_merges(tokens: list[str], scores: list[float],
 
 
 def _unknown_token(meta: dict[str, Any], tokens: list[str], types: list[int]) -> str | None:
-    token_id = meta.get("tokenizer.ggml.unknown_token_id")
+    key = _SPECIAL_IDS["unk_token"]
+    token_id = meta.get(key)
     if token_id is None:
         token_id = next((i for i, t in enumerate(types) if t == TokenType.UNKNOWN), None)
-    return None if token_id is None else _token_at(tokens, token_id, "unknown")
+    return None if token_id is None else _token_at(tokens, token_id, key)
 
 
 def _bpe(tokens: list[str], merges: list[tuple[str, str]], **options: Any) -> BackendTokenizer:
@@ -222,9 +222,9 @@ def _list(meta: dict[str, Any], key: str) -> list[Any]:
     return meta[key]
 
 
-def _token_at(tokens: list[str], token_id: int, what: str) -> str:
+def _token_at(tokens: list[str], token_id: int, key: str) -> str:
     if not 0 <= token_id < len(tokens):
-        raise ModelError(f"GGUF {what} id {token_id} is outside the {len(tokens)} tokens")
+        raise ModelError(f"GGUF {key} id {token_id} is outside the {len(tokens)} tokens")
     return tokens[token_id]
 
 
