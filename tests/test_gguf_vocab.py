@@ -7,6 +7,7 @@ text and chat prompts that `Tokenizer.from_dir` and transformers give from the d
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -16,6 +17,9 @@ import pytest
 import transformers
 from gguf_vocab import add_vocab
 
+from peerd import generate
+from peerd.errors import PeerdError
+from peerd.serving import Serving
 from shards.errors import ModelError, NoTokenizer
 from shards.tokenizer import Tokenizer
 
@@ -210,6 +214,26 @@ def test_a_sentencepiece_file_without_scores_is_an_error(tmp_path):
     path = write_gguf(tmp_path / "spm.gguf", tokenizer_model="llama", token_list=["<unk>", "a"])
     with pytest.raises(ModelError, match="^GGUF file lacks metadata 'tokenizer.ggml.scores'$"):
         Tokenizer.from_gguf(path)
+
+
+def test_generate_and_the_head_take_the_tokenizer_of_a_gguf(hf_checkpoint, tmp_path):
+    model_dir = hf_checkpoint("llama", tokenizer="spm")
+    path = write_gguf(tmp_path / "spm.gguf", vocab_of=model_dir)
+    source = Tokenizer.from_dir(model_dir)
+    prompt = generate._prompt_ids(argparse.Namespace(prompt_ids=None, prompt="héllo"), path)
+    assert prompt == source.prompt_ids("héllo")
+    assert generate._decode(path, prompt) == source.decode(prompt)
+    head_tokenizer = Serving("a", None, path)._load_tokenizer()  # no transport needed
+    assert head_tokenizer.conversation_ids(CONVERSATION) == source.conversation_ids(CONVERSATION)
+
+
+def test_without_a_gguf_tokenizer_generate_and_the_head_take_ids(tmp_path):
+    path = write_gguf(tmp_path / "bare.gguf")
+    with pytest.raises(PeerdError, match="^no tokenizer: .* \\(give the prompt as token ids\\)$"):
+        generate._prompt_ids(argparse.Namespace(prompt_ids=None, prompt="hi"), path)
+    assert generate._prompt_ids(argparse.Namespace(prompt_ids=[1, 5], prompt=None), path) == [1, 5]
+    assert generate._decode(path, [1, 5]) == ""
+    assert Serving("a", None, path)._load_tokenizer() is None
 
 
 def test_the_gguf_tokenizer_does_not_import_torch(hf_checkpoint, tmp_path):
