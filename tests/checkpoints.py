@@ -51,12 +51,7 @@ from tokenizers import (
     trainers,
 )
 
-from shards.builtin import (
-    BOS_TOKEN,
-    SPECIAL_TOKENS,
-    train_tokenizer,
-    write_tokenizer_files,
-)
+from shards.builtin import BOS_TOKEN, SPECIAL_TOKENS, train_tokenizer, write_tokenizer_files
 
 FAMILIES = (
     "llama",
