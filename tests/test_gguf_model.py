@@ -29,6 +29,7 @@ from sharding import reference, sharded, state_dir
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from peerd.generate import build_pipeline, generate
+from peerd.model_host import ModelHost
 from shards.arch.rope import inverse_frequencies
 from shards.checkpoint import load_model, param_sources
 from shards.config import load_config
@@ -235,6 +236,17 @@ def test_peerd_generate_runs_a_gguf_file(gguf_file):
                                                              stop_at_eos=True)[0]
 
 
+@pytest.mark.slow
+async def test_a_peer_started_with_a_gguf_file_serves_its_units(gguf_file):
+    _, path = gguf_file("llama")
+    host = ModelHost(path, state_dir())
+    assert host.name == "llama-F32"
+    await host.run()
+    assert host.state == "ready", host.detail
+    assert host.manifest.model.source_sha256 == open_model(path).digest()
+    assert set(host.files) == {unit.sha256 for unit in host.manifest.units}
+
+
 # -- the source seam ---------------------------------------------------------------------------
 def test_a_gguf_source_is_named_by_its_stem_and_digested_by_its_bytes(gguf_file, tmp_path):
     _, path = gguf_file("llama")
@@ -305,3 +317,17 @@ def test_peerd_shard_refuses_them_with_exit_1(gguf_file, tmp_path):
         done = _peerd("shard", str(path), "--json")
         assert done.returncode == 1 and done.stdout == ""
         assert done.stderr.startswith(f"peerd: {message}") and done.stderr.count("\n") == 1
+
+
+def test_a_corrupted_scale_is_refused_when_its_tensor_is_read(gguf_file, tmp_path):
+    _, path = gguf_file("llama", "Q8_0")
+
+    def infinite_scale(reader: gguf.GGUFReader) -> None:
+        tensor = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
+        tensor.data[0, :2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
+
+    source = open_model(_patched(path, tmp_path, infinite_scale))
+    source.config()
+    with pytest.raises(ModelError, match="^GGUF tensor blk.0.attn_q.weight holds values that "
+                                         "are not finite$"):
+        source.read_tensors(["model.layers.0.self_attn.q_proj.weight"])
