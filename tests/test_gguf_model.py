@@ -319,6 +319,17 @@ def test_peerd_shard_refuses_them_with_exit_1(gguf_file, tmp_path):
         assert done.stderr.startswith(f"peerd: {message}") and done.stderr.count("\n") == 1
 
 
+def test_a_mixture_of_experts_is_refused(tmp_path):
+    writer = gguf.GGUFWriter(tmp_path / "mixtral.gguf", "llama")
+    writer.add_expert_count(8)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelError, match="^unsupported GGUF model: a mixture of 8 experts$"):
+        load_config(tmp_path / "mixtral.gguf")
+
+
 def test_a_corrupted_scale_is_refused_when_its_tensor_is_read(gguf_file, tmp_path):
     _, path = gguf_file("llama", "Q8_0")
 

@@ -87,6 +87,9 @@ class GGUFModel(ModelSource):
     @functools.cached_property
     def _config(self) -> ModelConfig:
         hf_class, family, _ = ARCHITECTURES[self.architecture]
+        experts = self._arch_metadata("expert_count", 0)
+        if experts:
+            raise ModelError(f"unsupported GGUF model: a mixture of {experts} experts")
         hidden = self._int("embedding_length")
         heads = self._int("attention.head_count")
         common = {
