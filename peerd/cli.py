@@ -73,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("start", help="run the daemon on this device")
     _add_state_dir(p)
-    p.add_argument("--model", help="model checkpoint directory served by this peer")
+    p.add_argument(
+        "--model", help="model served by this peer: a checkpoint directory or a GGUF file"
+    )
     p.add_argument("--interface", help="IP address to listen and advertise on")
     p.add_argument("--port", type=int, default=0, help="ZeroMQ port (default: any free port)")
     p.add_argument(
@@ -128,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "generate", help="run a model split into K parts in this process (no daemon)"
     )
-    p.add_argument("model_dir", metavar="MODEL_DIR")
+    p.add_argument("model_dir", metavar="MODEL", help="a checkpoint directory or a GGUF file")
     _add_prompt(p, required=True)
     p.add_argument("--parts", type=int, default=1, help="number of stages K (default 1)")
     _add_sampling(p)
@@ -138,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler="peerd.generate:cmd_generate")
 
     p = sub.add_parser("shard", help="split a model into ONNX units with a manifest")
-    p.add_argument("model_dir", metavar="MODEL_DIR")
+    p.add_argument("model_dir", metavar="MODEL", help="a checkpoint directory or a GGUF file")
     p.add_argument("--out", help="output directory (default: the shard cache in the state dir)")
     p.add_argument("--int8", action="store_true", help="int8 dynamic quantisation")
     p.add_argument("--json", action="store_true", help="print the manifest summary as JSON")

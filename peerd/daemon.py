@@ -49,6 +49,7 @@ from peerd.serving import Serving
 from peerd.transport import Endpoint, Incoming, Transport, TransportError
 from peerd.unit_store import UnitStore
 from peerd.unit_transfer import CHUNK_TIMEOUT_S, ChunkServer
+from shards.source import open_model
 
 log = logging.getLogger("peerd.daemon")
 
@@ -92,7 +93,7 @@ class Daemon:
         self.secret = secret
         self.options = options
         self.instance = secrets.token_hex(4)
-        model_name = Path(options.model).name if options.model else None
+        model_name = open_model(options.model).name if options.model else None
         self.monitor = Monitor(
             identity.id, options.memory_budget, options.battery_file, model_name
         )

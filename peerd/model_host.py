@@ -1,4 +1,5 @@
-"""The model side of the peer started with `--model DIR`: shard it, then serve its units.
+"""The model side of the peer started with `--model DIR|FILE.gguf`: shard it, then serve its
+units (peers receive units, never the checkpoint or the GGUF file).
 
 Sharding runs `peerd shard` in a child process: exporting needs torch, and the daemon process
 never imports it. The child writes into the state directory's content-addressed shard cache
@@ -22,6 +23,7 @@ from pathlib import Path
 from peerd.protocol import ManifestOffer
 from peerd.unit_store import file_sha256
 from shards.manifest import Manifest, ManifestError
+from shards.source import open_model
 
 log = logging.getLogger("peerd.model_host")
 
@@ -31,7 +33,7 @@ SHARDING, READY, FAILED = "sharding", "ready", "failed"
 class ModelHost:
     def __init__(self, model_dir: Path, state_dir: Path):
         self.model_dir = Path(model_dir)
-        self.name = self.model_dir.name
+        self.name = open_model(self.model_dir).name
         self._state_dir = Path(state_dir)
         self.state = SHARDING
         self.detail = "starting"

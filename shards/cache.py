@@ -1,10 +1,10 @@
 """Sharding with a content-addressed cache: export only what is not there yet.
 
-`shard_key` hashes config.json, the weight files, the options and the exporter (library
-versions and the export code of this package). A directory whose manifest carries the same
-key and all of its unit files is reused as is, so a second `peerd shard` (or a `peerd
-generate` of a sharded model) neither exports nor even imports torch: shards.export is
-imported only when there is work to do.
+`shard_key` hashes the model's source (config.json and the weight files, or the GGUF file),
+the options and the exporter (library versions and the export code of this package). A
+directory whose manifest carries the same key and all of its unit files is reused as is, so
+a second `peerd shard` (or a `peerd generate` of a sharded model) neither exports nor even
+imports torch: shards.export is imported only when there is work to do.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shards.config import WEIGHTS_FILE, WEIGHTS_INDEX, load_config
 from shards.manifest import GRANULARITIES, MANIFEST_NAME, Manifest, ManifestError
+from shards.source import open_model
 
 _EXPORTER_PACKAGES = ("torch", "onnx", "onnxscript", "onnxruntime")
 # the modules whose code decides what the exported files contain
 _EXPORT_CODE = (
-    "arch", "config.py", "checkpoint.py", "segment.py", "examples.py", "export.py", "flops.py",
-    "onnx_file.py", "quantize.py",
+    "arch", "config.py", "source.py", "gguf", "checkpoint.py", "segment.py", "examples.py",
+    "export.py", "flops.py", "onnx_file.py", "quantize.py",
 )
 
 
@@ -62,12 +62,13 @@ def shard(
     options: ShardOptions = ShardOptions(),
     progress: Progress = lambda line: None,
 ) -> ShardResult:
-    """Shard `model_dir` into `out_dir`, or into `shard_root/<key>` when out_dir is None;
-    reuse the directory when it already holds this very result."""
+    """Shard the model at `model_dir` (a checkpoint directory or a GGUF file) into `out_dir`,
+    or into `shard_root/<key>` when out_dir is None; reuse the directory when it already
+    holds this very result."""
     started = time.perf_counter()
-    model_dir = Path(model_dir)
-    config = load_config(model_dir)
-    source = source_digest(model_dir)
+    model = open_model(model_dir)
+    config = model.config()
+    source = model.digest()
     key = shard_key(source, options)
     if out_dir is None:
         if shard_root is None:
@@ -82,30 +83,16 @@ def shard(
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        manifest = export_units(model_dir, config, staging, options, progress, key, source)
+        manifest = export_units(model, config, staging, options, progress, key, source)
         install(staging, out_dir, key)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return ShardResult(manifest, out_dir, True, time.perf_counter() - started)
 
 
-def source_digest(model_dir: Path) -> str:
-    """sha256 over config.json and every weight file of the checkpoint."""
-    model_dir = Path(model_dir)
-    digest = hashlib.sha256()
-    for path in [model_dir / "config.json", *_weight_files(model_dir)]:
-        digest.update(path.name.encode() + b"\0")
-        with path.open("rb") as handle:
-            digest.update(hashlib.file_digest(handle, "sha256").digest())
-    return digest.hexdigest()
-
-
-def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / WEIGHTS_INDEX
-    if not index.is_file():
-        return [model_dir / WEIGHTS_FILE]
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    return [index, *(model_dir / name for name in shards)]
+def source_digest(model_path: Path) -> str:
+    """The content digest of the model at `model_path` (shards.source)."""
+    return open_model(model_path).digest()
 
 
 def shard_key(source_sha256: str, options: ShardOptions) -> str:

@@ -2,10 +2,11 @@
 
 `param_sources` maps each of our parameter names to the checkpoint tensor it comes from (a
 tied LM head maps to the embedding tensor, so a head unit carries its own copy).
-`load_tensors` reads only the named tensors, from `model.safetensors` or the shards listed in
-`model.safetensors.index.json`, and converts them to float32: exporting one unit never needs
-the whole model in memory. `materialize` fills the parameters of chosen submodules of a
-model built on the "meta" device; `load_model` fills all of them.
+`load_tensors` reads only the named tensors from the model's source (shards.source; for a
+directory `read_safetensors` reads them from `model.safetensors` or the shards listed in
+`model.safetensors.index.json`), as float32: exporting one unit never needs the whole model
+in memory. `materialize` fills the parameters of chosen submodules of a model built on the
+"meta" device; `load_model` fills all of them.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from shards.arch import CausalLM, build_model
-from shards.config import WEIGHTS_FILE, WEIGHTS_INDEX, ModelConfig, load_config
+from shards.config import WEIGHTS_FILE, WEIGHTS_INDEX, ModelConfig
 from shards.errors import ModelError
+from shards.source import ModelSource, open_model
 
 # Per family: the checkpoint's prefix for the base model and for layer i, our module path ->
 # its Hugging Face module path (top-level modules, then modules inside one layer).
@@ -84,8 +86,15 @@ def _hf_module(config: ModelConfig, module: str) -> str:
     return base + top[module]
 
 
-def load_tensors(model_dir: str | Path, hf_names: Iterable[str]) -> dict[str, torch.Tensor]:
-    """Read just `hf_names` from the checkpoint, as float32 tensors keyed by those names."""
+def load_tensors(
+    model: str | Path | ModelSource, hf_names: Iterable[str]
+) -> dict[str, torch.Tensor]:
+    """Read just `hf_names` from the model, as float32 tensors keyed by those names."""
+    return open_model(model).read_tensors(hf_names)
+
+
+def read_safetensors(model_dir: str | Path, hf_names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Read just `hf_names` from a checkpoint directory's safetensors files."""
     model_dir = Path(model_dir)
     stored = _stored_tensors(model_dir)
     by_file: dict[Path, dict[str, str]] = {}
@@ -141,16 +150,18 @@ def _one_line(exc: Exception) -> str:
     return " ".join(str(exc).split())
 
 
-def materialize(model: CausalLM, model_dir: str | Path, module_prefixes: Iterable[str]) -> None:
-    """Load real weights for the parameters under `module_prefixes` (e.g. "layers.3.attn";
-    "" means all), replacing whatever they hold (typically meta tensors)."""
+def materialize(
+    model: CausalLM, source: str | Path | ModelSource, module_prefixes: Iterable[str]
+) -> None:
+    """Load real weights from `source` for the parameters under `module_prefixes` (e.g.
+    "layers.3.attn"; "" means all), replacing whatever they hold (typically meta tensors)."""
     prefixes = list(module_prefixes)
     sources = param_sources(model.config)
     wanted = {ours: hf for ours, hf in sources.items() if _under(ours, prefixes)}
     for prefix in prefixes:
         if not any(_under(ours, [prefix]) for ours in wanted):
             raise ValueError(f"no parameters under {prefix!r}")
-    tensors = load_tensors(model_dir, wanted.values())
+    tensors = load_tensors(source, wanted.values())
     for ours, hf in wanted.items():
         _assign(model, ours, hf, tensors[hf])
 
@@ -165,14 +176,15 @@ def _assign(model: nn.Module, name: str, hf_name: str, tensor: torch.Tensor) -> 
     expected = tuple(getattr(module, leaf).shape)
     if tuple(tensor.shape) != expected:
         raise ModelError(
-            f"tensor {hf_name} has shape {tuple(tensor.shape)} but config.json implies {expected}"
+            f"tensor {hf_name} has shape {tuple(tensor.shape)} but the config implies {expected}"
         )
     setattr(module, leaf, nn.Parameter(tensor, requires_grad=False))
 
 
-def load_model(model_dir: str | Path) -> tuple[ModelConfig, CausalLM]:
+def load_model(path: str | Path) -> tuple[ModelConfig, CausalLM]:
     """The config and the whole model with every weight loaded (float32, CPU)."""
-    config = load_config(model_dir)
+    source = open_model(path)
+    config = source.config()
     model = build_model(config, "meta")
-    materialize(model, model_dir, [""])
+    materialize(model, source, [""])
     return config, model

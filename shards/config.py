@@ -1,9 +1,10 @@
 """What peerd needs to know about a model, read from a Hugging Face `config.json`.
 
-`load_config(model_dir)` checks that the directory is a usable checkpoint (config.json,
-safetensors weights, a supported architecture) and normalises the family-specific key names
-and the two on-disk RoPE formats (transformers 4.x `rope_theta` + `rope_scaling`, 5.x
-`rope_parameters`) into one `ModelConfig`. It does not import torch.
+`load_config(path)` reads any model source (shards.source: a checkpoint directory or a GGUF
+file). For a directory, `read_checkpoint_config` checks that it is a usable checkpoint
+(config.json, safetensors weights, a supported architecture) and normalises the
+family-specific key names and the two on-disk RoPE formats (transformers 4.x `rope_theta` +
+`rope_scaling`, 5.x `rope_parameters`) into one `ModelConfig`. It does not import torch.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class ModelConfig:
     mlp_bias: bool = False
     rope_theta: float = 10000.0
     # None for plain RoPE, else {"rope_type": "linear"|"dynamic"|"llama3", "factor": ..., ...}
+    # or, from a GGUF file, {"rope_type": "freq_factors", "factors": (one divisor per frequency)}
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     # One entry per layer: the sliding attention window, None for full attention.
     layer_windows: tuple[int | None, ...] = ()
@@ -70,8 +72,16 @@ class ModelConfig:
         return self.layer_windows[layer] if self.layer_windows else None
 
 
-def load_config(model_dir: str | Path) -> ModelConfig:
-    """Read and validate `model_dir`; raise ModelError with a one-line reason if unusable."""
+def load_config(path: str | Path) -> ModelConfig:
+    """Read and validate the model at `path`; raise ModelError with a one-line reason if
+    it is unusable."""
+    from shards.source import open_model  # not at the top: shards.source imports this module
+
+    return open_model(path).config()
+
+
+def read_checkpoint_config(model_dir: str | Path) -> ModelConfig:
+    """Read and validate the checkpoint directory `model_dir`."""
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     if not config_path.is_file():

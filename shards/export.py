@@ -1,7 +1,7 @@
-"""Export: a checkpoint directory -> one ONNX file per unit plus manifest.json.
+"""Export: a model (shards.source) -> one ONNX file per unit plus manifest.json.
 
 The model is built on the "meta" device and segmented (shards.segment); then, unit by unit,
-only that unit's weights are read from the checkpoint, the unit runs on example inputs
+only that unit's weights are read from the model's source, the unit runs on example inputs
 (shards.examples) to learn its dynamic axes and costs, is exported with torch.onnx (the
 torch.export-based exporter), checked against torch with ONNX Runtime, optionally
 int8-quantised, and its weights are dropped again. The whole model is never in memory.
@@ -49,6 +49,7 @@ from shards.manifest import (
 from shards.onnx_file import save_external, write_single_file
 from shards.quantize import quantize_unit
 from shards.segment import Segmentation, UnitGraph, segment
+from shards.source import ModelSource
 
 RETURN_BYTES = 8  # the sampled token id (int64) sent back to the first stage
 UNITS_DIR = "units"
@@ -56,7 +57,7 @@ _CHECK_TOLERANCE = 1e-4
 
 
 def export_units(
-    model_dir: Path,
+    source: ModelSource,
     config: ModelConfig,
     directory: Path,
     options: ShardOptions,
@@ -64,20 +65,20 @@ def export_units(
     key: str,
     source_sha256: str,
 ) -> Manifest:
-    """Export every unit of the checkpoint into `directory` and write its manifest there."""
-    return _Exporter(model_dir, config, directory, options, progress).run(key, source_sha256)
+    """Export every unit of the model into `directory` and write its manifest there."""
+    return _Exporter(source, config, directory, options, progress).run(key, source_sha256)
 
 
 class _Exporter:
     def __init__(
         self,
-        model_dir: Path,
+        source: ModelSource,
         config: ModelConfig,
         directory: Path,
         options: ShardOptions,
         progress: Progress,
     ) -> None:
-        self.model_dir, self.config, self.directory = model_dir, config, directory
+        self.source, self.config, self.directory = source, config, directory
         self.options, self.progress = options, progress
         self.model = build_model(config, "meta")
         self.segmentation: Segmentation = segment(self.model, options.granularity)
@@ -105,7 +106,7 @@ class _Exporter:
     def _unit(self, unit: UnitGraph) -> Unit:
         targets = _weight_targets(self.model, unit.targets)
         if targets:
-            materialize(self.model, self.model_dir, targets)
+            materialize(self.model, self.source, targets)
         module = unit.module(self.model)
         runs, flops = {}, {}
         for case in self.store.cases:

@@ -251,7 +251,7 @@ def test_missing_tensor(hf_checkpoint, tmp_path):
 def test_tensor_shape_disagrees_with_config(hf_checkpoint, tmp_path):
     model_dir = copy_checkpoint(hf_checkpoint("llama"), tmp_path)
     edit_config(model_dir, intermediate_size=96)
-    assert model_error(load_model, model_dir).endswith("but config.json implies (96, 64)")
+    assert model_error(load_model, model_dir).endswith("but the config implies (96, 64)")
 
 
 def test_truncated_weights_file(hf_checkpoint, tmp_path):

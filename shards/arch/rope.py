@@ -1,4 +1,6 @@
-"""Rotary position embeddings with the Hugging Face scaling variants (linear, dynamic, llama3)."""
+"""Rotary position embeddings with the Hugging Face scaling variants (linear, dynamic, llama3),
+and llama.cpp's per-frequency divisors (a GGUF file's `rope_freqs`, which is how the converter
+stores Llama 3 scaling)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
         return inv_freq / scaling["factor"]
     if scaling["rope_type"] == "llama3":
         return _llama3(inv_freq, scaling)
+    if scaling["rope_type"] == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
     return inv_freq
 
 
