@@ -2,9 +2,9 @@
 
 `shard_key` hashes config.json, the weight files, the options and the exporter (library
 versions and the export code of this package). A directory whose manifest carries the same
-key and all of its unit files is reused as is, so a second `peerd shard` (or a `peerd
-generate` of a sharded model) neither exports nor even imports torch: shards.export is
-imported only when there is work to do.
+key and all of its unit files (each of the size the manifest says) is reused as is, so a
+second `peerd shard` (or a `peerd generate` of a sharded model) neither exports nor even
+imports torch: shards.export is imported only when there is work to do.
 """
 
 from __future__ import annotations
@@ -136,8 +136,16 @@ def reusable(directory: Path, key: str) -> Manifest | None:
         manifest = Manifest.load(directory)
     except ManifestError:
         return None
-    complete = all((directory / u.file).is_file() for u in manifest.units)
+    complete = all(_whole(directory / f.name, f.bytes) for f in manifest.files())
     return manifest if manifest.key == key and complete else None
+
+
+def _whole(path: Path, size: int) -> bool:
+    """The file is there with the size its manifest says (hashing is the model host's job)."""
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
 
 
 def install(staging: Path, out_dir: Path, key: str) -> None:
