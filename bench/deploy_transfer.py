@@ -27,7 +27,8 @@ from peerd import protocol  # noqa: E402
 from peerd.identity import ClusterSecret, KeyPair  # noqa: E402
 from peerd.transport import Endpoint, Transport, TransportError  # noqa: E402
 from peerd.unit_store import UnitStore  # noqa: E402
-from peerd.unit_transfer import ChunkServer, fetch_unit  # noqa: E402
+from peerd.unit_transfer import ChunkServer, fetch_file  # noqa: E402
+from shards.manifest import UnitFile  # noqa: E402
 
 SECRET = ClusterSecret(b"b" * 32)
 HOST = "127.0.0.1"
@@ -98,8 +99,8 @@ async def main(mbytes: int, repeats: int) -> None:
             for attempt in range(repeats):
                 store = UnitStore(Path(tmp) / f"store-{chunk}-{attempt}")
                 start = time.perf_counter()
-                await fetch_unit(lambda m: client.request("server", m, 60), store, sha,
-                                 len(data), chunk)
+                await fetch_file(lambda m: client.request("server", m, 60), store,
+                                 UnitFile("unit.onnx", sha, len(data)), chunk)
                 speeds.append(len(data) / (time.perf_counter() - start) / 1e6)
             print(f"pull, {chunk // 1024:6d} KiB chunks {max(speeds):8.1f} MB/s   "
                   f"ratio to raw {max(speeds) / max(raw):.2f}")

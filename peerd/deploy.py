@@ -1,12 +1,13 @@
 """A peer's side of a plan: get the unit files of its stage, load them, report to the leader.
 
 Every member receives each plan (peerd.protocol.PlanAssignment). A peer with a stage looks
-for each of its units' files: the model peer has them in its shard directory; any other peer
-looks in its UnitStore (re-hashing a cached file first, so a corrupted one is fetched again,
-never loaded) and pulls the missing ones from the model peer in verified, resumable chunks
-(peerd.unit_transfer). It then loads a StageExecutor for exactly its units and reports
-``ready``; a peer without a stage unloads and reports ``ready`` with no units. Progress goes
-to the leader as DeployReports and to the log.
+for each of its units' files (`Unit.files`: the ONNX model and its data file): the model peer
+has them in its shard directory; any other peer looks in its UnitStore (re-hashing a cached
+file first, so a corrupted one is fetched again, never loaded) and pulls the missing ones from
+the model peer in verified, resumable chunks (peerd.unit_transfer); either way a unit's data
+file lies beside its model, where ONNX Runtime looks for it. It then loads a StageExecutor
+for exactly its units and reports ``ready``; a peer without a stage unloads and reports
+``ready`` with no units. Progress goes to the leader as DeployReports and to the log.
 
 A newer plan (by leader epoch, then plan id) cancels work on an older one; bytes already
 received stay in the store, so the next plan resumes them. A plan equal to the one loaded
@@ -26,9 +27,9 @@ from typing import Any
 
 from peerd.protocol import DeployReport, PlanAssignment, PlanStage
 from peerd.unit_store import UnitStore
-from peerd.unit_transfer import CHUNK_BYTES, Ask, fetch_unit
+from peerd.unit_transfer import CHUNK_BYTES, Ask, fetch_file
 from shards.executor import StageExecutor
-from shards.manifest import Manifest, ManifestError, Unit
+from shards.manifest import Manifest, ManifestError, Unit, UnitFile
 
 log = logging.getLogger("peerd.deploy")
 
@@ -156,7 +157,7 @@ class Deployment:
             self._set(READY, detail="units already loaded")
             return
         units = manifest.units[stage.first : stage.last + 1]
-        paths = await self._unit_files(plan.model_peer, units)
+        paths = await self._unit_paths(plan.model_peer, units)
         self._set(LOADING, detail=f"loading units {_range(stage)}")
         self.loaded = None  # free the old stage's memory before loading the new one
         executor = await asyncio.to_thread(
@@ -166,32 +167,35 @@ class Deployment:
         log.info("plan %d: loaded units %s", plan.plan_id, _range(stage))
         self._set(READY, detail=f"loaded units {_range(stage)}")
 
-    async def _unit_files(self, model_peer: str, units: tuple[Unit, ...]) -> dict[str, Path]:
-        """Each unit's verified file, fetching those this peer lacks."""
-        paths, missing = {}, []
+    async def _unit_paths(self, model_peer: str, units: tuple[Unit, ...]) -> dict[int, Path]:
+        """Where each unit's model file is (its data file beside it), after fetching the
+        files this peer lacks into its store."""
+        paths: dict[int, Path] = {}
+        missing: dict[str, tuple[Unit, UnitFile]] = {}
         local = self._local_files()
         for unit in units:
-            if unit.sha256 in local:
-                paths[unit.sha256] = local[unit.sha256]
-            elif await asyncio.to_thread(self.store.verify, unit.sha256):
-                paths[unit.sha256] = self.store.path(unit.sha256)
-            else:
-                missing.append(unit)
-        if not missing:
-            return paths
-        total = sum(u.file_bytes for u in missing)
-        self._set(FETCHING, total=total, detail=f"fetching {len(missing)} unit files")
-        ask = self._ask(model_peer)
-        for unit in missing:
-            paths[unit.sha256] = await fetch_unit(
-                ask, self.store, unit.sha256, unit.file_bytes, self._chunk_bytes, self._fetched
-            )
-            log.info("received unit %d (%s, %d bytes); %d of %d bytes", unit.index, unit.name,
-                     unit.file_bytes, self.progress.received, total)
+            if all(f.sha256 in local for f in unit.files):
+                paths[unit.index] = local[unit.model_file.sha256]
+                continue
+            paths[unit.index] = self.store.path(unit.model_file.content_name)
+            for file in unit.files:
+                if not await asyncio.to_thread(self.store.verify, file.content_name):
+                    missing[file.content_name] = (unit, file)
+        if missing:
+            await self._fetch(model_peer, list(missing.values()))
         return paths
 
-    def _fetched(self, sha256: str, have: int) -> None:
-        self._have[sha256] = have
+    async def _fetch(self, model_peer: str, missing: list[tuple[Unit, UnitFile]]) -> None:
+        total = sum(file.bytes for _, file in missing)
+        self._set(FETCHING, total=total, detail=f"fetching {len(missing)} unit files")
+        ask = self._ask(model_peer)
+        for unit, file in missing:
+            await fetch_file(ask, self.store, file, self._chunk_bytes, self._fetched)
+            log.info("received %s of unit %d (%s, %d bytes); %d of %d bytes", file.content_name,
+                     unit.index, unit.name, file.bytes, self.progress.received, total)
+
+    def _fetched(self, name: str, have: int) -> None:
+        self._have[name] = have
         self.progress.received = min(sum(self._have.values()), self.progress.total)
         if time.monotonic() - self._reported_at >= REPORT_INTERVAL_S:
             log.info("fetching unit files: %d of %d bytes", self.progress.received,
@@ -270,9 +274,13 @@ def _manifest(plan: PlanAssignment) -> Manifest | None:
     return manifest
 
 
-def _at_paths(manifest: Manifest, paths: Mapping[str, Path]) -> Manifest:
-    """The manifest with each unit's file replaced by the absolute path it was found at
-    (an absolute file name overrides the executor's unit directory)."""
-    units = tuple(dataclasses.replace(u, file=str(paths[u.sha256].resolve())) if u.sha256 in paths
-                  else u for u in manifest.units)
+def _at_paths(manifest: Manifest, paths: Mapping[int, Path]) -> Manifest:
+    """The manifest with each unit's model file named by the absolute path it was found at
+    (an absolute name overrides the executor's unit directory)."""
+    units = tuple(_at_path(u, paths[u.index]) if u.index in paths else u for u in manifest.units)
     return dataclasses.replace(manifest, units=units)
+
+
+def _at_path(unit: Unit, path: Path) -> Unit:
+    model = dataclasses.replace(unit.model_file, name=str(path.resolve()))
+    return dataclasses.replace(unit, files=(model, *unit.files[1:]))

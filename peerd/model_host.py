@@ -4,9 +4,9 @@ units (peers receive units, never the checkpoint or the GGUF file).
 Sharding runs `peerd shard` in a child process: exporting needs torch, and the daemon process
 never imports it. The child writes into the state directory's content-addressed shard cache
 (`<state>/shards/<key>`), so a restart with the same model reuses the units at once. Its
-progress lines are logged as they come. Once done, every unit file is checked against the
-manifest's sha256 before it is served, so this peer never hands out a file that would fail
-verification on every receiver.
+progress lines are logged as they come. Once done, every file of every unit (its model and its
+data file) is checked against the manifest's sha256 before it is served, so this peer never
+hands out a file that would fail verification on every receiver.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class ModelHost:
             self.state, self.detail = FAILED, str(exc)
             log.error("cannot serve model %s: %s", self.name, exc)
             return
-        self.files = {u.sha256: directory / u.file for u in self.manifest.units}
+        self.files = self.manifest.files_in(directory)
         self.state = READY
         self.detail = f"{len(self.manifest.units)} units in {directory}"
         log.info("model %s ready: %s", self.name, self.detail)
@@ -104,7 +104,11 @@ def _checked_manifest(directory: Path) -> Manifest:
     except ManifestError as exc:
         raise ShardingFailed(str(exc)) from None
     for unit in manifest.units:
-        path = directory / unit.file
-        if not path.is_file() or file_sha256(path) != unit.sha256:
-            raise ShardingFailed(f"unit file {path} does not match its manifest")
+        for file in unit.files:
+            path = directory / file.name
+            if not path.is_file():
+                raise ShardingFailed(f"unit {unit.name}: {path} is missing")
+            if file_sha256(path) != file.sha256:
+                raise ShardingFailed(f"unit {unit.name}: {path} does not match its manifest "
+                                     f"(remove {directory} to shard the model again)")
     return manifest

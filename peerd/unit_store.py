@@ -1,11 +1,15 @@
-"""The on-disk cache of unit files, addressed by their sha256.
+"""The on-disk cache of unit files, addressed by their content.
 
-A unit arrives in chunks (`write_chunk` at an offset), possibly across several transfers:
-the partial file is kept as `<sha>.part`, so an interrupted transfer resumes from
-`received(sha)`. `complete` verifies the hash before the file becomes visible under its
-final name (an atomic rename), so a reader never sees a unit that is incomplete or corrupt;
-a file whose bytes do not match is deleted and must be fetched again. Files are immutable
-once complete, which is why peers can share them without coordination.
+Each file is kept under its content name (`UnitFile.content_name`: `<sha256>.onnx` for a
+unit's model, `<sha256>.data` for its weights), all in one directory: a model refers to its
+data file by exactly that name, so ONNX Runtime finds the data beside the model here as in
+the shard directory it came from. A file arrives in chunks (`write_chunk` at an offset),
+possibly across several transfers: the partial file is kept as `<name>.part`, so an
+interrupted transfer resumes from `received(name)`. `complete` verifies the sha256 before the
+file becomes visible under its final name (an atomic rename), so a reader never sees a file
+that is incomplete or corrupt; a file whose bytes do not match is deleted and must be fetched
+again. Files are immutable once complete, which is why peers can share them without
+coordination.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ import os
 import re
 from pathlib import Path
 
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+from shards.manifest import DATA_SUFFIX, MODEL_SUFFIX
+
+_CONTENT_NAME = re.compile(rf"([0-9a-f]{{64}})(\{MODEL_SUFFIX}|\{DATA_SUFFIX})")
 _HASH_BLOCK = 1 << 20
 
 
 class StoreError(Exception):
-    """A unit that cannot be stored: bad hash, bad offset, or no space left."""
+    """A unit file that cannot be stored: bad name or hash, bad offset, or no space left."""
 
 
 class UnitStore:
@@ -29,27 +35,27 @@ class UnitStore:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def path(self, sha256: str) -> Path:
-        return self.root / f"{_checked(sha256)}.onnx"
+    def path(self, name: str) -> Path:
+        return self.root / _checked(name)
 
-    def has(self, sha256: str) -> bool:
-        return self.path(sha256).is_file()
+    def has(self, name: str) -> bool:
+        return self.path(name).is_file()
 
-    def received(self, sha256: str) -> int:
-        """Bytes of `sha256` already on disk: its size when complete, else the partial size."""
-        if self.has(sha256):
-            return self.path(sha256).stat().st_size
-        part = self._part(sha256)
+    def received(self, name: str) -> int:
+        """Bytes of file `name` already on disk: its size when complete, else the partial size."""
+        if self.has(name):
+            return self.path(name).stat().st_size
+        part = self._part(name)
         return part.stat().st_size if part.exists() else 0
 
-    def write_chunk(self, sha256: str, offset: int, data: bytes | memoryview) -> int:
+    def write_chunk(self, name: str, offset: int, data: bytes | memoryview) -> int:
         """Append `data` at `offset` (which must be the bytes received so far)."""
-        if self.has(sha256):
-            return self.received(sha256)
-        have = self.received(sha256)
+        if self.has(name):
+            return self.received(name)
+        have = self.received(name)
         if offset != have:
-            raise StoreError(f"unit {sha256[:12]}: chunk at {offset}, expected {have}")
-        part = self._part(sha256)
+            raise StoreError(f"unit file {_short(name)}: chunk at {offset}, expected {have}")
+        part = self._part(name)
         try:
             with part.open("ab") as out:
                 out.write(data)
@@ -58,36 +64,37 @@ class UnitStore:
         except OSError as exc:
             _truncate(part, have)
             if exc.errno == errno.ENOSPC:
-                raise StoreError(f"no space left in {self.root} for unit {sha256[:12]}") from None
-            raise StoreError(f"cannot write unit {sha256[:12]}: {exc.strerror}") from None
+                raise StoreError(
+                    f"no space left in {self.root} for unit file {_short(name)}") from None
+            raise StoreError(f"cannot write unit file {_short(name)}: {exc.strerror}") from None
         return have + len(data)
 
-    def complete(self, sha256: str) -> Path:
+    def complete(self, name: str) -> Path:
         """Verify the received bytes and publish the file; a mismatch deletes the partial."""
-        if self.has(sha256):
-            return self.path(sha256)
-        part = self._part(sha256)
+        if self.has(name):
+            return self.path(name)
+        part = self._part(name)
         if not part.exists():
-            raise StoreError(f"unit {sha256[:12]}: nothing received")
+            raise StoreError(f"unit file {_short(name)}: nothing received")
         actual = file_sha256(part)
-        if actual != sha256:
+        if actual != _sha256_of(name):
             part.unlink()
-            raise StoreError(f"unit {sha256[:12]}: received bytes hash to {actual[:12]}")
-        os.replace(part, self.path(sha256))
-        return self.path(sha256)
+            raise StoreError(f"unit file {_short(name)}: received bytes hash to {actual[:12]}")
+        os.replace(part, self.path(name))
+        return self.path(name)
 
-    def verify(self, sha256: str) -> bool:
-        """Re-hash a stored unit; a corrupted one is removed so it will be fetched again."""
-        path = self.path(sha256)
+    def verify(self, name: str) -> bool:
+        """Re-hash a stored file; a corrupted one is removed so it will be fetched again."""
+        path = self.path(name)
         if not path.is_file():
             return False
-        if file_sha256(path) == sha256:
+        if file_sha256(path) == _sha256_of(name):
             return True
         path.unlink()
         return False
 
-    def _part(self, sha256: str) -> Path:
-        return self.root / f"{_checked(sha256)}.part"
+    def _part(self, name: str) -> Path:
+        return self.root / f"{_checked(name)}.part"
 
 
 def file_sha256(path: Path) -> str:
@@ -98,10 +105,19 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _checked(sha256: str) -> str:
-    if not _SHA256.fullmatch(sha256):
-        raise StoreError(f"not a sha256 digest: {sha256[:80]!r}")
-    return sha256
+def _checked(name: str) -> str:
+    if not _CONTENT_NAME.fullmatch(name):
+        raise StoreError(f"not a unit file's content name: {name[:80]!r}")
+    return name
+
+
+def _sha256_of(name: str) -> str:
+    return _CONTENT_NAME.fullmatch(name).group(1)
+
+
+def _short(name: str) -> str:
+    """A content name as messages show it: the digest's first 12 digits and the suffix."""
+    return name[:12] + name[64:]
 
 
 def _truncate(path: Path, size: int) -> None:

@@ -1,10 +1,11 @@
 """Moving unit files between peers: the model peer serves chunks, a deploying peer pulls them.
 
-A unit file travels as a series of chunk requests on the data channel, so a transfer never
-delays heartbeats or votes. The receiver writes each chunk into its UnitStore at the offset it
-already holds, so a transfer cut short (a timeout, a dead link, a restarted daemon) resumes
-from `store.received(sha)`. When all bytes are there the store verifies the sha256; a file
-that does not match is thrown away and fetched again from the start, a few times at most.
+A unit file (a unit's model or its data file: the wire names either by its sha256) travels as
+a series of chunk requests on the data channel, so a transfer never delays heartbeats or
+votes. The receiver writes each chunk into its UnitStore at the offset it already holds, so a
+transfer cut short (a timeout, a dead link, a restarted daemon) resumes from
+`store.received(name)`. When all bytes are there the store verifies the sha256; a file that
+does not match is thrown away and fetched again from the start, a few times at most.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from peerd.protocol import UnitChunk, UnitChunkRequest, UnitRefused
 from peerd.unit_store import StoreError, UnitStore
+from shards.manifest import UnitFile
 
 log = logging.getLogger("peerd.unit_transfer")
 
@@ -27,7 +29,7 @@ CHUNK_TIMEOUT_S = 30.0
 FETCH_ATTEMPTS = 3
 
 Ask = Callable[[UnitChunkRequest], Awaitable[Any]]
-Progress = Callable[[str, int], None]  # (sha256, bytes of it on disk now)
+Progress = Callable[[str, int], None]  # (content name, bytes of it on disk now)
 
 
 class TransferError(Exception):
@@ -71,30 +73,30 @@ def _read(path: Path, offset: int, length: int) -> tuple[int, bytes]:
 # -- the receiving side (a deploying peer) -----------------------------------------------------
 
 
-async def fetch_unit(
+async def fetch_file(
     ask: Ask,
     store: UnitStore,
-    sha256: str,
-    size: int,
+    file: UnitFile,
     chunk_bytes: int = CHUNK_BYTES,
-    progress: Progress = lambda sha256, have: None,
+    progress: Progress = lambda name, have: None,
 ) -> Path:
-    """The verified file of unit `sha256` (`size` bytes) in `store`, fetched as needed."""
+    """The verified unit file `file` in `store`, fetched as needed."""
+    name, sha256, size = file.content_name, file.sha256, file.bytes
     for attempt in range(1, FETCH_ATTEMPTS + 1):
-        have = store.received(sha256)
-        progress(sha256, have)
+        have = store.received(name)
+        progress(name, have)
         while have < size:
             length = min(chunk_bytes, size - have)
             data = _chunk_data(await ask(UnitChunkRequest(0, sha256, have, length)), sha256,
                                have, size)
-            have = await asyncio.to_thread(store.write_chunk, sha256, have, data)
-            progress(sha256, have)
+            have = await asyncio.to_thread(store.write_chunk, name, have, data)
+            progress(name, have)
         try:
-            return await asyncio.to_thread(store.complete, sha256)
+            return await asyncio.to_thread(store.complete, name)
         except StoreError as exc:
-            log.warning("unit %s failed verification (attempt %d of %d), fetching it again: %s",
-                        sha256[:12], attempt, FETCH_ATTEMPTS, exc)
-    raise TransferError(f"unit {sha256[:12]} failed verification {FETCH_ATTEMPTS} times")
+            log.warning("unit file %s failed verification (attempt %d of %d), fetching it "
+                        "again: %s", name, attempt, FETCH_ATTEMPTS, exc)
+    raise TransferError(f"unit file {sha256[:12]} failed verification {FETCH_ATTEMPTS} times")
 
 
 def _chunk_data(answer: Any, sha256: str, offset: int, size: int) -> memoryview:

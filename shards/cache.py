@@ -2,8 +2,9 @@
 
 `shard_key` hashes the model's source (config.json and the weight files, or the GGUF file),
 the options and the exporter (library versions and the export code of this package). A
-directory whose manifest carries the same key and all of its unit files is reused as is, so
-a second `peerd shard` (or a `peerd generate` of a sharded model) neither exports nor even
+directory whose manifest carries the same key and all of its unit files (each of the size the
+manifest says) is reused as is, so a second `peerd shard` (or a `peerd generate` of a sharded
+model) neither exports nor even
 imports torch: shards.export is imported only when there is work to do.
 """
 
@@ -123,8 +124,16 @@ def reusable(directory: Path, key: str) -> Manifest | None:
         manifest = Manifest.load(directory)
     except ManifestError:
         return None
-    complete = all((directory / u.file).is_file() for u in manifest.units)
+    complete = all(_whole(directory / f.name, f.bytes) for f in manifest.files())
     return manifest if manifest.key == key and complete else None
+
+
+def _whole(path: Path, size: int) -> bool:
+    """The file is there with the size its manifest says (hashing is the model host's job)."""
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
 
 
 def install(staging: Path, out_dir: Path, key: str) -> None:

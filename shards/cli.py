@@ -83,7 +83,7 @@ def _unit_summary(manifest: Manifest, index: int) -> dict:
     return {
         "index": unit.index,
         "name": unit.name,
-        "file": unit.file,
+        "files": [f.name for f in unit.files],
         "weight_bytes": unit.weight_bytes,
         "kv_bytes_per_token": unit.kv_bytes_per_token,
         "flops_per_token": {"prefill": unit.flops_per_token.prefill,

@@ -64,7 +64,9 @@ class StageExecutor:
         self.outputs = manifest.stage_outputs(first, last)
         self._dtypes = {i.name: i.dtype for u in self.units for i in u.inputs}
         options = options or ExecutorOptions()
-        self._sessions = [_session(Path(unit_dir) / u.file, options) for u in self.units]
+        self._sessions = [
+            _session(Path(unit_dir) / u.model_file.name, options) for u in self.units
+        ]
         self._state: dict[str, dict[str, ort.OrtValue]] = {}
         self._lock = threading.Lock()
 

@@ -3,8 +3,10 @@
 The model is built on the "meta" device and segmented (shards.segment); then, unit by unit,
 only that unit's weights are read from the model's source, the unit runs on example inputs
 (shards.examples) to learn its dynamic axes and costs, is exported with torch.onnx (the
-torch.export-based exporter), checked against torch with ONNX Runtime, optionally
-int8-quantised, and its weights are dropped again. The whole model is never in memory.
+torch.export-based exporter), optionally int8-quantised, written as a model file and a data
+file (shards.onnx_file), and its weights are dropped again; the written unit is then loaded in
+ONNX Runtime and run on the example inputs (float32 units must match torch). The whole model
+is never in memory.
 `shards.cache.shard` decides whether there is anything to export.
 """
 
@@ -14,7 +16,6 @@ import ctypes
 import ctypes.util
 import functools
 import gc
-import hashlib
 import logging
 import tempfile
 import time
@@ -46,7 +47,7 @@ from shards.manifest import (
     UnitInput,
     UnitOutput,
 )
-from shards.onnx_file import save_external, write_single_file
+from shards.onnx_file import WrittenUnit, save_external, write_unit
 from shards.quantize import quantize_unit
 from shards.segment import Segmentation, UnitGraph, segment
 from shards.source import ModelSource
@@ -116,22 +117,20 @@ class _Exporter:
         for case, (_, outputs) in runs.items():
             self.store.record(unit, case, outputs)
         relative = f"{UNITS_DIR}/{unit.index:03d}-{unit.name}.onnx"
-        path = self.directory / relative
         with tempfile.TemporaryDirectory(dir=self.directory) as scratch:
             staged = _to_onnx(module, unit, runs, Path(scratch))
             del module
             _release(self.model, targets)
             if self.options.int8:
                 staged = quantize_unit(staged)
-            else:
-                _check(staged, unit, *runs[examples.EXPORT])
-            weight_bytes = write_single_file(staged, path)
-        return self._manifest_unit(unit, relative, runs, flops, weight_bytes)
+            written = write_unit(staged, self.directory, relative)
+        result = self._manifest_unit(unit, written, runs, flops)
+        _check(self.directory / relative, result, *runs[examples.EXPORT],
+               exact=not self.options.int8)
+        return result
 
-    def _manifest_unit(
-        self, unit: UnitGraph, relative: str, runs: dict, flops: dict, weight_bytes: int
-    ) -> Unit:
-        path = self.directory / relative
+    def _manifest_unit(self, unit: UnitGraph, written: WrittenUnit, runs: dict,
+                       flops: dict) -> Unit:
         seg = self.segmentation
         prefill_tokens = self.store.cases[examples.PREFILL].tokens
         count_in, count_out = len(unit.inputs), len(unit.outputs)  # state comes after these
@@ -150,9 +149,7 @@ class _Exporter:
         return Unit(
             index=unit.index,
             name=unit.name,
-            file=relative,
-            sha256=_sha256(path),
-            file_bytes=path.stat().st_size,
+            files=written.files,
             inputs=tuple(
                 UnitInput(name, _dtype(arg), seg.producers[name])
                 for name, arg in zip(unit.inputs, export_args[:count_in], strict=True)
@@ -169,7 +166,7 @@ class _Exporter:
                 prefill=flops[examples.PREFILL] / prefill_tokens,
                 decode=float(flops[examples.DECODE]),
             ),
-            weight_bytes=weight_bytes,
+            weight_bytes=written.weight_bytes,
             kv_bytes_per_token=sum(
                 state_bytes_per_token(s.shape, s.seq_axis, s.dtype) for s in states
             ),
@@ -282,24 +279,43 @@ class _quiet:
         self._warnings.__exit__(*exc)
 
 
-def _check(path: Path, unit: UnitGraph, args: tuple, expected: tuple) -> None:
-    """The exported unit must compute what the torch unit computed."""
-    options = ort.SessionOptions()  # no optimisation or pre-packing: less memory, same result
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.add_session_config_entry("session.disable_prepacking", "1")
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    feeds = {name: a.numpy() for name, a in zip(unit.input_names, args, strict=True)}
-    got = session.run(unit.output_names, feeds)
-    for name, value, want in zip(unit.output_names, got, expected, strict=True):
+def _check(path: Path, unit: Unit, args: tuple, expected: tuple, exact: bool) -> None:
+    """The written unit must load in ONNX Runtime with the manifest's inputs and outputs and
+    run on the example; with `exact`, compute what the torch unit computed."""
+    session = _session(path, unit)
+    feeds = {name: a.numpy() for name, a in zip(unit.graph_inputs, args, strict=True)}
+    got = session.run(list(unit.graph_outputs), feeds)
+    for name, value, want in zip(unit.graph_outputs, got, expected, strict=True):
+        if value.shape != tuple(want.shape):
+            raise ShardError(f"unit {unit.name}: ONNX output {name} has shape "
+                             f"{list(value.shape)}, torch's {list(want.shape)}")
+        if not exact:
+            continue
         error = float(np.max(np.abs(value - want.numpy()), initial=0.0))
         scale = float(np.max(np.abs(want.numpy()), initial=0.0)) + 1.0
         if error > _CHECK_TOLERANCE * scale:
             raise ShardError(f"unit {unit.name}: ONNX output {name} differs from torch by {error}")
 
 
-def _sha256(path: Path) -> str:
-    with path.open("rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
+def _session(path: Path, unit: Unit) -> ort.InferenceSession:
+    """A session of the unit file as written, or a one-line ShardError."""
+    options = ort.SessionOptions()  # no optimisation or pre-packing: less memory, same result
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    options.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # ONNX Runtime raises its own exception types
+        reason = " ".join(str(exc).split())
+        raise ShardError(f"unit {unit.name}: written file {path.name} does not load in ONNX "
+                         f"Runtime: {reason}") from None
+    inputs = tuple(i.name for i in session.get_inputs())
+    outputs = tuple(o.name for o in session.get_outputs())
+    if (inputs, outputs) != (unit.graph_inputs, unit.graph_outputs):
+        raise ShardError(f"unit {unit.name}: written file {path.name} has inputs {list(inputs)} "
+                         f"and outputs {list(outputs)}, the manifest says "
+                         f"{list(unit.graph_inputs)} and {list(unit.graph_outputs)}")
+    return session
 
 
 def _dtype(tensor: torch.Tensor) -> str:

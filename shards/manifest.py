@@ -9,14 +9,17 @@ reason. Producer -1 means "a request input" (input_ids, position_ids); consumer 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-FORMAT = 1
+FORMAT = 2
 MANIFEST_NAME = "manifest.json"
 REQUEST = -1
 GRANULARITIES = ("half", "layer")  # units are layer halves (attn, mlp) or whole layers
+MODEL_SUFFIX, DATA_SUFFIX = ".onnx", ".data"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class ManifestError(ValueError):
@@ -59,18 +62,46 @@ class Flops:
 
 
 @dataclass(frozen=True)
+class UnitFile:
+    """One file of a unit: `name` is relative to the manifest's directory."""
+
+    name: str
+    sha256: str
+    bytes: int
+
+    @property
+    def content_name(self) -> str:
+        """Its name in a content-addressed store: the sha256 and the suffix. A data file is
+        written under this very name, which is how its model refers to it, so ONNX Runtime
+        finds it beside the model in a shard directory and in a store alike."""
+        return self.sha256 + PurePosixPath(self.name).suffix
+
+
+@dataclass(frozen=True)
 class Unit:
     index: int
     name: str
-    file: str
-    sha256: str
-    file_bytes: int
+    files: tuple[UnitFile, ...]  # the ONNX model, then its external data file, if any
     inputs: tuple[UnitInput, ...]
     outputs: tuple[UnitOutput, ...]
     state: tuple[StateSpec, ...]
     flops_per_token: Flops
     weight_bytes: int
     kv_bytes_per_token: int
+
+    @property
+    def model_file(self) -> UnitFile:
+        return self.files[0]
+
+    @property
+    def graph_inputs(self) -> tuple[str, ...]:
+        """The ONNX graph's inputs: the unit's inputs, then its state inputs."""
+        return tuple(i.name for i in self.inputs) + tuple(s.input for s in self.state)
+
+    @property
+    def graph_outputs(self) -> tuple[str, ...]:
+        """The ONNX graph's outputs: the unit's outputs, then its state outputs."""
+        return tuple(o.name for o in self.outputs) + tuple(s.output for s in self.state)
 
     def output(self, name: str) -> UnitOutput:
         for out in self.outputs:
@@ -147,6 +178,14 @@ class Manifest:
         return sent
 
     # -- files -----------------------------------------------------------------------------
+    def files(self) -> tuple[UnitFile, ...]:
+        """Every file of every unit: what serving or holding the whole model means."""
+        return tuple(f for u in self.units for f in u.files)
+
+    def files_in(self, directory: Path) -> dict[str, Path]:
+        """sha256 -> path of every unit file in a shard directory (what a model peer serves)."""
+        return {f.sha256: Path(directory) / f.name for f in self.files()}
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -192,9 +231,7 @@ def _unit(data: dict[str, Any]) -> Unit:
     return Unit(
         index=int(data["index"]),
         name=str(data["name"]),
-        file=str(data["file"]),
-        sha256=str(data["sha256"]),
-        file_bytes=int(data["file_bytes"]),
+        files=tuple(_unit_file(f) for f in data["files"]),
         inputs=tuple(UnitInput(**i) for i in data["inputs"]),
         outputs=tuple(
             UnitOutput(**{**o, "consumers": tuple(o["consumers"])}) for o in data["outputs"]
@@ -206,11 +243,31 @@ def _unit(data: dict[str, Any]) -> Unit:
     )
 
 
+def _unit_file(data: dict[str, Any]) -> UnitFile:
+    return UnitFile(name=str(data["name"]), sha256=str(data["sha256"]), bytes=int(data["bytes"]))
+
+
+def _check_files(unit: Unit) -> None:
+    """A unit is its model file, then data files named by their own sha256 (the names the
+    model refers to them by)."""
+    if not unit.files or not unit.model_file.name.endswith(MODEL_SUFFIX):
+        raise ManifestError(f"unit {unit.name}: its first file must be an ONNX model")
+    for file in unit.files:
+        if not _SHA256.fullmatch(file.sha256) or file.bytes < 0:
+            raise ManifestError(f"unit {unit.name}: file {file.name} has a bad sha256 or size")
+    for file in unit.files[1:]:
+        if PurePosixPath(file.name).name != file.sha256 + DATA_SUFFIX:
+            raise ManifestError(f"unit {unit.name}: data file {file.name} is not named "
+                                f"<sha256>{DATA_SUFFIX}")
+
+
 def _check_chain(units: tuple[Unit, ...]) -> None:
-    """Units are numbered 0..n-1 and every dependency points forward."""
+    """Units are numbered 0..n-1, every dependency points forward, and every unit's files are
+    well named."""
     if not units:
         raise ManifestError("manifest has no units")
     for position, unit in enumerate(units):
+        _check_files(unit)
         if unit.index != position:
             raise ManifestError(f"unit {unit.name} has index {unit.index}, expected {position}")
         for inp in unit.inputs:

@@ -89,7 +89,7 @@ def test_the_plan_spreads_the_model_and_every_peer_loads_exactly_its_units(clust
     assert plan["objective"] == "throughput" and plan["predicted"]["throughput_tps"] > 0
     assert model["units"] == len(manifest.units) == plan["stages"][-1]["units"][-1] + 1
     for peer in peers[1:]:
-        wanted = {f"{manifest.units[u].sha256}.onnx" for u in stages.get(peer.id, [])}
+        wanted = {f.content_name for u in stages.get(peer.id, []) for f in manifest.units[u].files}
         assert _cached(peer) == wanted, f"{peer.id} holds exactly the files of its units"
     assert _cached(model_peer) == set(), "the model peer serves its own shard directory"
     for status in (p.status() for p in peers):

@@ -21,7 +21,8 @@ from peerd.identity import ClusterSecret, KeyPair
 from peerd.protocol import PlanAssignment, PlanFigures, PlanStage, UnitChunkRequest
 from peerd.transport import Endpoint, Transport, TransportError
 from peerd.unit_store import UnitStore
-from peerd.unit_transfer import FETCH_ATTEMPTS, ChunkServer, TransferError, fetch_unit
+from peerd.unit_transfer import FETCH_ATTEMPTS, ChunkServer, TransferError, fetch_file
+from shards.manifest import UnitFile
 
 SECRET = ClusterSecret(b"d" * 32)
 HOST = "127.0.0.1"
@@ -84,13 +85,14 @@ class Puller:
 @pytest.fixture
 async def link(tmp_path: Path):
     """A model peer serving one random 1 MB file, and a puller with an empty store."""
-    source = tmp_path / "unit.onnx"
+    source = tmp_path / "unit.data"
     source.write_bytes(np.random.default_rng(0).bytes(1024 * 1024 + 123))
     sha = hashlib.sha256(source.read_bytes()).hexdigest()
     model = ModelPeer({sha: source})
     puller = Puller(model)
     await _until_connected(puller)
-    yield model, puller, UnitStore(tmp_path / "store"), sha, source
+    yield model, puller, UnitStore(tmp_path / "store"), UnitFile(f"{sha}.data", sha,
+                                                                 source.stat().st_size), source
     await puller.transport.close()
     await model.transport.close()
 
@@ -110,60 +112,61 @@ async def _until_connected(puller: Puller, timeout: float = 5.0) -> None:
 
 
 async def test_an_interrupted_transfer_resumes_where_it_stopped(link):
-    model, puller, store, sha, source = link
-    size = source.stat().st_size
+    model, puller, store, file, source = link
+    size = file.bytes
     model.requests.clear()
 
-    def cut_after_five_chunks(_sha, have):
+    def cut_after_five_chunks(_name, have):
         if have >= 5 * CHUNK:
             model.answering = False
 
     puller.timeout = 0.5
     with pytest.raises(TransportError, match="did not answer"):
-        await fetch_unit(puller.ask(), store, sha, size, CHUNK, cut_after_five_chunks)
-    assert store.received(sha) == 5 * CHUNK and not store.has(sha)
+        await fetch_file(puller.ask(), store, file, CHUNK, cut_after_five_chunks)
+    assert store.received(file.content_name) == 5 * CHUNK and not store.has(file.content_name)
 
     model.answering, puller.timeout = True, 5.0
     model.requests.clear()
-    path = await fetch_unit(puller.ask(), store, sha, size, CHUNK)
-    assert path.read_bytes() == source.read_bytes()
+    path = await fetch_file(puller.ask(), store, file, CHUNK)
+    assert path.read_bytes() == source.read_bytes() and path.name == file.content_name
     offsets = [offset for _, offset in model.requests]
     assert offsets == list(range(5 * CHUNK, size, CHUNK)), "resumed from the bytes on disk"
 
 
 async def test_a_corrupted_chunk_makes_the_unit_be_fetched_again(link):
-    model, puller, store, sha, source = link
+    model, puller, store, file, source = link
     model.requests.clear()
     model.corrupt_once = {3 * CHUNK}
-    path = await fetch_unit(puller.ask(), store, sha, source.stat().st_size, CHUNK)
+    path = await fetch_file(puller.ask(), store, file, CHUNK)
     assert path.read_bytes() == source.read_bytes()
     offsets = [offset for _, offset in model.requests]
     assert offsets.count(0) == 2 and offsets.count(3 * CHUNK) == 2, "fetched twice in full"
 
 
 async def test_a_unit_that_never_verifies_is_not_stored(link):
-    model, puller, store, sha, source = link
-    size = source.stat().st_size
-    wrong = hashlib.sha256(b"something else").hexdigest()
-    model.server = ChunkServer(lambda: {wrong: source})  # serves bytes that hash to `sha`
+    model, puller, store, file, source = link
+    sha = hashlib.sha256(b"something else").hexdigest()
+    wrong = UnitFile(f"{sha}.data", sha, file.bytes)
+    model.server = ChunkServer(lambda: {sha: source})  # serves bytes that hash to another sha
     model.requests.clear()
     with pytest.raises(TransferError, match=f"failed verification {FETCH_ATTEMPTS} times"):
-        await fetch_unit(puller.ask(), store, wrong, size, CHUNK)
-    assert not store.has(wrong) and store.received(wrong) == 0
+        await fetch_file(puller.ask(), store, wrong, CHUNK)
+    assert not store.has(wrong.content_name) and store.received(wrong.content_name) == 0
     assert [o for _, o in model.requests].count(0) == FETCH_ATTEMPTS
 
 
 async def test_the_model_peer_refuses_unknown_units_and_offsets_beyond_the_file(link):
-    model, puller, store, sha, source = link
-    size = source.stat().st_size
+    model, puller, store, file, source = link
+    sha, size = file.sha256, file.bytes
     unknown = hashlib.sha256(b"no such unit").hexdigest()
     with pytest.raises(TransferError, match=f"refused unit {unknown[:12]}: .*not served here"):
-        await fetch_unit(puller.ask(), store, unknown, 10, CHUNK)
+        await fetch_file(puller.ask(), store, UnitFile("x.onnx", unknown, 10), CHUNK)
     answer = await puller.transport.request("model", UnitChunkRequest(0, sha, size, 10), 5.0)
     assert isinstance(answer, protocol.UnitRefused)
     assert answer.reason == f"offset {size} is beyond the {size} bytes of unit {sha[:12]}"
     with pytest.raises(TransferError, match="got bytes 0.. of .* asked for 0.. of 99"):
-        await fetch_unit(puller.ask(), store, sha, 99, CHUNK)  # the manifest says 99 bytes
+        # the manifest says 99 bytes
+        await fetch_file(puller.ask(), store, dataclasses.replace(file, bytes=99), CHUNK)
 
 
 def test_chunk_requests_that_break_the_rules_do_not_decode():
@@ -184,7 +187,7 @@ async def toy_cluster(tmp_path: Path):
     """The toy model's units served by a model peer, and a second peer's Deployment."""
     toy = ToyModel()
     manifest = write_toy(tmp_path / "model", toy)
-    model = ModelPeer({u.sha256: tmp_path / "model" / u.file for u in manifest.units})
+    model = ModelPeer(manifest.files_in(tmp_path / "model"))
     puller = Puller(model)
     await _until_connected(puller)
     reports = []
@@ -205,27 +208,57 @@ async def _until(condition, what: str):
     return await eventually(condition, what, timeout=10.0)
 
 
+def _copy_to_store(store: UnitStore, file: UnitFile, directory: Path) -> None:
+    store.path(file.content_name).write_bytes((directory / file.name).read_bytes())
+
+
 async def test_a_peer_pulls_only_missing_units_refetches_corrupt_ones_and_loads_its_stage(
     toy_cluster,
 ):
     toy, manifest, model, deployment, reports, tmp_path = toy_cluster
     acc, head = manifest.units[1], manifest.units[2]
+    head_model, head_data = head.files
+    assert len(acc.files) == 1 and len(head.files) == 2, "the toy's head has a data file"
     store = deployment.store
-    (store.root / f"{acc.sha256}.onnx").write_bytes((tmp_path / "model" / acc.file).read_bytes())
-    (store.root / f"{head.sha256}.onnx").write_bytes(b"corrupted on disk")
+    _copy_to_store(store, acc.model_file, tmp_path / "model")
+    store.path(head_model.content_name).write_bytes(b"corrupted on disk")  # and no data file
     model.requests.clear()
 
     deployment.assign(_plan(manifest, 1, (PlanStage("model", 0, 0), PlanStage("second", 1, 2))))
     await _until(lambda: deployment.progress.state == "ready", "the stage to load")
 
-    assert {sha for sha, _ in model.requests} == {head.sha256}, "only the missing unit moved"
+    assert {sha for sha, _ in model.requests} == {head_model.sha256, head_data.sha256}, (
+        "only the head's model and data files moved")
     assert sorted(p.name for p in store.root.iterdir()) == sorted(
-        f"{u.sha256}.onnx" for u in (acc, head))
+        f.content_name for f in (*acc.files, *head.files))
     assert deployment.units == (1, 2)
     assert reports[-1].state == "ready" and reports[-1].units == (1, 2)
-    assert any(r.state == "fetching" and r.total == head.file_bytes for r in reports)
+    moved = head_model.bytes + head_data.bytes
+    assert any(r.state == "fetching" and r.total == moved for r in reports)
+    assert deployment.progress.received == deployment.progress.total == moved
 
     ids = [3, 1, 4]
+    logits = logits_after_unit0(manifest, tmp_path / "model", deployment.executor, ids)
+    np.testing.assert_allclose(logits, toy.logits(ids), rtol=1e-5, atol=1e-5)
+
+
+async def test_a_corrupted_data_file_in_the_store_is_fetched_again_never_loaded(toy_cluster):
+    toy, manifest, model, deployment, reports, tmp_path = toy_cluster
+    head_model, head_data = manifest.units[2].files
+    store = deployment.store
+    for file in (*manifest.units[1].files, head_model, head_data):
+        _copy_to_store(store, file, tmp_path / "model")
+    damaged = bytearray(store.path(head_data.content_name).read_bytes())
+    damaged[-1] ^= 0xFF  # same size, one weight changed: it would load and compute nonsense
+    store.path(head_data.content_name).write_bytes(damaged)
+    model.requests.clear()
+
+    deployment.assign(_plan(manifest, 1, (PlanStage("model", 0, 0), PlanStage("second", 1, 2))))
+    await _until(lambda: deployment.progress.state == "ready", "the stage to load")
+
+    assert {sha for sha, _ in model.requests} == {head_data.sha256}
+    assert any(r.state == "fetching" and r.total == head_data.bytes for r in reports)
+    ids = [2, 7, 1, 8]
     logits = logits_after_unit0(manifest, tmp_path / "model", deployment.executor, ids)
     np.testing.assert_allclose(logits, toy.logits(ids), rtol=1e-5, atol=1e-5)
 
@@ -261,8 +294,7 @@ async def test_a_failed_deployment_is_reported_and_retried_when_the_plan_comes_a
     await _until(lambda: deployment.progress.state == "failed", "the failure")
     assert "not served here" in reports[-1].detail and reports[-1].units == ()
 
-    model.server = ChunkServer(lambda: {u.sha256: tmp_path / "model" / u.file
-                                        for u in manifest.units})
+    model.server = ChunkServer(lambda: manifest.files_in(tmp_path / "model"))
     deployment.assign(plan)
     await _until(lambda: deployment.progress.state == "ready", "the retry")
     assert deployment.units == (1, 2)

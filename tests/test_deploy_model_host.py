@@ -4,11 +4,13 @@ never imports torch."""
 from __future__ import annotations
 
 import logging
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from sharding import sharded
 
 from peerd.model_host import ModelHost
 from peerd.protocol import UnitChunk, UnitChunkRequest
@@ -33,11 +35,30 @@ async def test_the_model_is_sharded_in_a_child_process_and_offered(hf_checkpoint
     assert Manifest.from_dict(offer.manifest) == manifest
     assert host.offer(8, manifest.key).manifest is None, "the asker has it already"
 
-    unit = manifest.units[1]
-    answer = await ChunkServer(lambda: host.files).answer(
-        UnitChunkRequest(1, unit.sha256, 0, unit.file_bytes))
-    assert isinstance(answer, UnitChunk) and answer.size == unit.file_bytes
-    assert answer.tensors["data"].tobytes() == (host.files[unit.sha256]).read_bytes()
+    assert set(host.files) == {f.sha256 for f in manifest.files()}
+    for file in manifest.units[1].files:  # its model and its data file
+        answer = await ChunkServer(lambda: host.files).answer(
+            UnitChunkRequest(1, file.sha256, 0, file.bytes))
+        assert isinstance(answer, UnitChunk) and answer.size == file.bytes
+        assert answer.tensors["data"].tobytes() == (host.files[file.sha256]).read_bytes()
+
+
+async def test_a_corrupted_data_file_in_the_shard_cache_is_refused_in_one_line(
+    hf_checkpoint, tmp_path,
+):
+    model_dir = hf_checkpoint("llama")
+    result = sharded(model_dir)
+    cached = tmp_path / "shards" / result.manifest.key
+    shutil.copytree(result.directory, cached)
+    data = result.manifest.units[-1].files[1]
+    damaged = bytearray((cached / data.name).read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF  # the same size: the cache is reused, then checked
+    (cached / data.name).write_bytes(damaged)
+    host = ModelHost(model_dir, tmp_path)
+    await host.run()
+    assert (host.state, host.files, host.manifest) == ("failed", {}, None)
+    assert host.detail == (f"unit head: {cached / data.name} does not match its manifest "
+                           f"(remove {cached} to shard the model again)")
 
 
 async def test_a_model_that_cannot_be_sharded_is_reported_not_raised(tmp_path):

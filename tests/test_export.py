@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 
 import numpy as np
 import onnx
@@ -35,21 +37,43 @@ def _graph_io(path) -> tuple[dict, list[str]]:
     return dims, [o.name for o in graph.output]
 
 
-def test_unit_files_match_the_manifest(llama):
+def test_every_unit_is_a_model_and_its_weights_as_external_data_and_loads(llama):
     _, result = llama
     for unit in result.manifest.units:
-        path = result.directory / unit.file
-        assert hashlib.sha256(path.read_bytes()).hexdigest() == unit.sha256
-        assert path.stat().st_size == unit.file_bytes
+        for file in unit.files:
+            data = (result.directory / file.name).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == file.sha256 and len(data) == file.bytes
+        model, weights = unit.files
+        assert weights.name == f"units/{weights.sha256}.data"
+        assert weights.bytes >= unit.weight_bytes - 1024, "the weights are in the data file"
+        path = result.directory / model.name
+        graph = onnx.load(str(path), load_external_data=False).graph
+        external = {t.name: t.dims for t in graph.initializer
+                    if t.data_location == onnx.TensorProto.EXTERNAL}
+        assert external and all(
+            {e.key: e.value for e in t.external_data}["location"] == f"{weights.sha256}.data"
+            for t in graph.initializer if t.name in external)
+        assert all(t.name in external for t in graph.initializer if len(t.dims) == 2)
         dims, outputs = _graph_io(path)
-        assert list(dims) == [i.name for i in unit.inputs] + [s.input for s in unit.state]
-        assert outputs == [o.name for o in unit.outputs] + [s.output for s in unit.state]
+        assert tuple(dims) == unit.graph_inputs and tuple(outputs) == unit.graph_outputs
+        session = ort.InferenceSession(str(path))
+        assert tuple(i.name for i in session.get_inputs()) == unit.graph_inputs
+
+
+def test_units_of_a_shard_directory_load_from_a_copy_anywhere(llama, tmp_path):
+    """A unit's files are complete in themselves: copied elsewhere, the pair still loads."""
+    _, result = llama
+    head = result.manifest.units[-1]
+    for file in head.files:
+        (tmp_path / file.content_name).write_bytes((result.directory / file.name).read_bytes())
+    session = ort.InferenceSession(str(tmp_path / head.model_file.content_name))
+    assert [o.name for o in session.get_outputs()] == ["logits"]
 
 
 def test_sequence_and_past_axes_are_dynamic(llama):
     _, result = llama
     attn = result.manifest.units[1]
-    dims, _ = _graph_io(result.directory / attn.file)
+    dims, _ = _graph_io(result.directory / attn.model_file.name)
     assert dims["embed.hidden"] == [1, "T", 64]
     assert dims["mask"] == [1, 1, "T", "T"]
     assert dims["past_k_0"] == dims["past_v_0"] == [1, 2, "P", 16]
@@ -70,7 +94,7 @@ def test_exported_attention_equals_the_torch_unit_for_any_lengths(llama, tokens,
     args = (hidden, cos, sin, mask, *kv)
     with torch.no_grad():
         expected = unit.module(model)(*args)
-    session = ort.InferenceSession(str(result.directory / result.manifest.units[1].file))
+    session = ort.InferenceSession(str(result.directory / result.manifest.units[1].model_file.name))
     got = session.run(unit.output_names, dict(zip(unit.input_names, (a.numpy() for a in args),
                                                   strict=True)))
     for value, want in zip(got, expected, strict=True):
@@ -106,6 +130,18 @@ def test_second_shard_reuses_the_result_without_exporting(llama, monkeypatch):
     again = shard(model_dir, None, shard_root=first.directory.parent)
     assert not again.exported and again.directory == first.directory
     assert again.manifest == first.manifest
+
+
+def test_a_result_with_a_data_file_missing_or_cut_short_is_not_reused(llama, tmp_path):
+    _, result = llama
+    key, data = result.manifest.key, result.manifest.units[0].files[1]
+    copy = tmp_path / "copy"
+    shutil.copytree(result.directory, copy)
+    assert cache.reusable(copy, key) == result.manifest
+    os.truncate(copy / data.name, data.bytes - 1)
+    assert cache.reusable(copy, key) is None
+    (copy / data.name).unlink()
+    assert cache.reusable(copy, key) is None
 
 
 def test_key_follows_options_and_weights(llama, hf_checkpoint):

@@ -126,7 +126,7 @@ def _setting(peers: list[Peer], expected: list[int]) -> Setting:
         expects=[r.expects for r in routes(manifest, ranges)],
         dtypes=outputs | requests | chunks,
         shapes={"data": ("T",), "payload": ("T",)} | _input_shapes(manifest, shard_dir),
-        shas=[u.sha256 for u in manifest.units],
+        shas=[f.sha256 for f in manifest.files()],
         vocab=manifest.model.vocab_size,
         epoch=plan["epoch"],
         plan_key=f"{plan['epoch']}.{plan['id']}",
@@ -138,7 +138,7 @@ def _input_shapes(manifest: Manifest, shard_dir: Path) -> dict[str, tuple[int | 
     """Every unit input's shape as its ONNX graph declares it ("T" and "P" symbolic)."""
     shapes = {}
     for unit in manifest.units:
-        graph = onnx.load(shard_dir / unit.file, load_external_data=False).graph
+        graph = onnx.load(shard_dir / unit.model_file.name, load_external_data=False).graph
         for tensor in graph.input:
             dims = tensor.type.tensor_type.shape.dim
             shapes[tensor.name] = tuple(d.dim_param or d.dim_value for d in dims)

@@ -52,9 +52,9 @@ def test_broken_manifests_get_one_line_errors(bloom, tmp_path):
         Manifest.load(tmp_path)
     data = bloom.manifest.to_dict()
     _write(tmp_path, {**data, "format": 99})
-    with pytest.raises(ManifestError, match="format-1"):
+    with pytest.raises(ManifestError, match="format-2"):
         Manifest.load(tmp_path)
-    del data["units"][0]["sha256"]
+    del data["units"][0]["files"][0]["sha256"]
     _write(tmp_path, data)
     with pytest.raises(ManifestError, match="malformed manifest: KeyError"):
         Manifest.load(tmp_path)
@@ -68,3 +68,21 @@ def test_dependencies_must_point_forward(bloom):
     data = dataclasses.replace(bloom.manifest, units=tuple(units)).to_dict()
     with pytest.raises(ManifestError, match="comes from unit 3"):
         Manifest.from_dict(data)
+
+
+def test_a_unit_is_its_model_then_data_files_named_by_their_sha256(bloom):
+    head = bloom.manifest.units[-1]
+    model, data = head.files
+    assert head.model_file == model and data.content_name == data.name.split("/")[-1]
+    assert model.content_name == f"{model.sha256}.onnx"
+    for files, reason in [
+        ((), "first file must be an ONNX model"),
+        ((data, model), "first file must be an ONNX model"),
+        ((model, dataclasses.replace(data, name="units/weights.data")), "not named <sha256>.data"),
+        ((model, dataclasses.replace(data, sha256="abc")), "bad sha256 or size"),
+        ((dataclasses.replace(model, bytes=-1), data), "bad sha256 or size"),
+    ]:
+        units = (*bloom.manifest.units[:-1], dataclasses.replace(head, files=files))
+        with pytest.raises(ManifestError, match=f"unit head: .*{reason}"):
+            Manifest.from_dict(dataclasses.replace(bloom.manifest, units=units).to_dict())
+    assert len(bloom.manifest.files()) == sum(len(u.files) for u in bloom.manifest.units)

@@ -42,14 +42,14 @@ def manifest() -> dict:
     units = []
     for i, unit in enumerate(UNITS["units"]):
         units.append({
-            "index": i, "name": f"u{i}", "file": f"u{i}.onnx", "sha256": "0" * 64,
-            "file_bytes": 1, "inputs": [], "state": [],
+            "index": i, "name": f"u{i}", "files": [{"name": f"u{i}.onnx", "sha256": "0" * 64,
+                                                    "bytes": 1}], "inputs": [], "state": [],
             "outputs": [{"name": f"o{i}{j}", "dtype": "float32", "bytes_per_token": o["bytes"],
                          "consumers": o["consumers"]} for j, o in enumerate(unit["outputs"])],
             "flops_per_token": {"prefill": 3 * unit["flops"], "decode": unit["flops"]},
             "weight_bytes": unit["weight_bytes"], "kv_bytes_per_token": unit["kv_bytes_per_token"],
         })
-    return {"format": 1, "model": {"architecture": "llama"}, "options": {"int8": False},
+    return {"format": 2, "model": {"architecture": "llama"}, "options": {"int8": False},
             "return_bytes": 8, "units": units}
 
 
@@ -122,8 +122,8 @@ def test_bad_units_are_named(path, value, complaint):
 
 
 def test_a_manifest_of_another_format_or_without_work_is_refused():
-    with pytest.raises(InvalidInput, match="manifest format 2 is not 1"):
-        workload_from_dict(edited(manifest(), ["format"], 2))
+    with pytest.raises(InvalidInput, match="manifest format 1 is not 2"):
+        workload_from_dict(edited(manifest(), ["format"], 1))
     idle = copy.deepcopy(UNITS)
     for unit in idle["units"]:
         unit["flops"] = 0

@@ -9,7 +9,7 @@ import pytest
 from onnxruntime.quantization import QuantType, quantize_dynamic
 from sharding import sharded
 
-from shards.onnx_file import write_single_file
+from shards.onnx_file import write_unit
 from shards.quantize import quantize_unit
 
 
@@ -28,7 +28,7 @@ def _feeds(session: ort.InferenceSession) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("unit", [0, 1, 2, 5])
 def test_same_outputs_as_quantize_dynamic(hf_checkpoint, tmp_path, unit):
     result = sharded(hf_checkpoint("llama"))
-    model = onnx.load(str(result.directory / result.manifest.units[unit].file))
+    model = onnx.load(str(result.directory / result.manifest.units[unit].model_file.name))
     staged = tmp_path / "model.onnx"
     onnx.save(model, str(staged), save_as_external_data=True, location="model.data",
               size_threshold=1024)
@@ -36,7 +36,7 @@ def test_same_outputs_as_quantize_dynamic(hf_checkpoint, tmp_path, unit):
     quantize_dynamic(staged, reference, weight_type=QuantType.QInt8,
                      op_types_to_quantize=["MatMul", "Gather"])
     ours = tmp_path / "ours.onnx"
-    write_single_file(quantize_unit(staged), ours)
+    write_unit(quantize_unit(staged), tmp_path, ours.name)
 
     sessions = [ort.InferenceSession(str(path)) for path in (reference, ours)]
     feeds = _feeds(sessions[0])

@@ -11,6 +11,9 @@ import sys
 import pytest
 from sharding import sharded, state_dir
 
+from peerd.cli import main
+from shards import export
+
 
 def _peerd(*args: str, state: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PEERD_STATE_DIR": state or str(state_dir())}
@@ -59,3 +62,27 @@ def test_unsupported_or_missing_models_get_one_line_errors(hf_checkpoint, tmp_pa
     assert done.stderr == "peerd: unsupported architecture: FalconForCausalLM\n"
     done = _peerd("shard", str(tmp_path / "nowhere"), state=str(tmp_path / "state"))
     assert done.returncode == 1 and done.stderr.startswith("peerd: not a model directory")
+
+
+def test_a_written_unit_that_does_not_load_fails_the_command_in_one_line(
+    hf_checkpoint, tmp_path, monkeypatch, capsys,
+):
+    """The check loads every unit as written: here the head's data file comes out short."""
+    write_unit = export.write_unit
+
+    def short_head(staged, directory, relative):
+        written = write_unit(staged, directory, relative)
+        if relative.endswith("-head.onnx"):
+            data = directory / written.files[1].name
+            os.truncate(data, data.stat().st_size // 2)
+        return written
+
+    monkeypatch.setattr(export, "write_unit", short_head)
+    out = tmp_path / "units"
+    assert main(["shard", str(hf_checkpoint("llama", layers=1)), "--out", str(out)]) == 1
+    *progress, error = capsys.readouterr().err.splitlines()
+    assert [line.split(" exported")[0] for line in progress] == [
+        "shard: [1/4] embed", "shard: [2/4] layer0.attn", "shard: [3/4] layer0.mlp"]
+    assert error.startswith("peerd: unit head: written file 003-head.onnx does not load in "
+                            "ONNX Runtime: ") and "out of bounds" in error, error
+    assert list(tmp_path.iterdir()) == [], "nothing half-made is left"

@@ -32,7 +32,8 @@ from peerd.deploy import Deployment
 from peerd.local_cluster import LocalCluster
 from peerd.protocol import PlanAssignment, PlanFigures, PlanStage, UnitChunkRequest
 from peerd.unit_store import StoreError, UnitStore, file_sha256
-from peerd.unit_transfer import CHUNK_BYTES, ChunkServer, fetch_unit
+from peerd.unit_transfer import CHUNK_BYTES, ChunkServer, fetch_file
+from shards.manifest import UnitFile
 
 CHUNK = 64 * 1024
 
@@ -83,22 +84,27 @@ async def test_a_cached_unit_that_does_not_match_its_hash_is_fetched_again_never
     impostor = write_toy(tmp_path / "other", other)
     acc, head = manifest.units[1], manifest.units[2]
     store = UnitStore(tmp_path / "store")
-    # Another model's head: the same graph, other weights, a valid ONNX file that would load.
-    shutil.copy(tmp_path / "other" / impostor.units[2].file, store.path(head.sha256))
+    # Another model's head: the same graph, other weights, a valid ONNX file that would load
+    # (its own data file is in the store too, under its own name).
+    other_model, other_data = impostor.units[2].files
+    shutil.copy(tmp_path / "other" / other_data.name, store.path(other_data.content_name))
+    shutil.copy(tmp_path / "other" / other_model.name, store.path(head.model_file.content_name))
     # A partial transfer of unit 1 whose bytes were damaged on disk since.
-    good = (tmp_path / "model" / acc.file).read_bytes()
-    (store.root / f"{acc.sha256}.part").write_bytes(bytes(b ^ 0xFF for b in good[:100]))
-    server = Server({u.sha256: tmp_path / "model" / u.file for u in manifest.units})
+    good = (tmp_path / "model" / acc.model_file.name).read_bytes()
+    (store.root / f"{acc.model_file.content_name}.part").write_bytes(
+        bytes(b ^ 0xFF for b in good[:100]))
+    server = Server(manifest.files_in(tmp_path / "model"))
     deployment = Deployment("second", store, server.ask, lambda report: None, chunk_bytes=256)
 
     deployment.assign(_plan(manifest, (PlanStage("model", 0, 0), PlanStage("second", 1, 2))))
     await eventually(lambda: deployment.progress.state in ("ready", "failed"), "the stage",
                      timeout=10)
     assert deployment.progress.state == "ready", deployment.progress.detail
-    for unit in (acc, head):
-        assert file_sha256(store.path(unit.sha256)) == unit.sha256
+    for file in (*acc.files, *head.files):
+        assert file_sha256(store.path(file.content_name)) == file.sha256
     assert server.offsets[0] == 100, "unit 1 resumed from its partial file"
-    assert server.offsets.count(0) == 2, "then unit 1 was fetched whole, and the head once"
+    assert server.offsets.count(0) == 3, (
+        "then unit 1 was fetched whole, and the head's model and data files once")
     ids = [3, 1, 4]
     logits = logits_after_unit0(manifest, tmp_path / "model", deployment.executor, ids)
     np.testing.assert_allclose(logits, toy.logits(ids), rtol=1e-5, atol=1e-5)
@@ -113,22 +119,24 @@ async def test_a_full_disk_is_one_clear_line_leaves_the_cache_consistent_and_res
     small.write_bytes(b"a small unit that fits" * 100)
     sha, small_sha = file_sha256(source), file_sha256(small)
     server = Server({sha: source, small_sha: small})
+    unit = UnitFile("unit.onnx", sha, source.stat().st_size)
     with tmpfs(tmp_path / "disk", "2m") as disk:
         store = UnitStore(disk / "units")
-        await fetch_unit(server.ask(), store, small_sha, small.stat().st_size, CHUNK)
+        await fetch_file(server.ask(), store, UnitFile("small.onnx", small_sha,
+                                                       small.stat().st_size), CHUNK)
         with pytest.raises(StoreError) as failure:
-            await fetch_unit(server.ask(), store, sha, source.stat().st_size, CHUNK)
+            await fetch_file(server.ask(), store, unit, CHUNK)
         reason = str(failure.value)
         assert reason.startswith("no space left in ") and sha[:12] in reason
         assert "\n" not in reason
-        kept = store.received(sha)
+        kept = store.received(unit.content_name)
         assert 0 < kept < source.stat().st_size and kept % CHUNK == 0, "cut at a chunk boundary"
-        assert not store.has(sha), "no half file is taken as complete"
-        assert store.verify(small_sha), "what was whole stays whole"
+        assert not store.has(unit.content_name), "no half file is taken as complete"
+        assert store.verify(f"{small_sha}.onnx"), "what was whole stays whole"
 
         resize(disk, "8m")
         server.offsets.clear()
-        path = await fetch_unit(server.ask(), store, sha, source.stat().st_size, CHUNK)
+        path = await fetch_file(server.ask(), store, unit, CHUNK)
         assert path.read_bytes() == source.read_bytes()
         assert server.offsets[0] == kept, "the retry resumed from the bytes on disk"
 
@@ -177,8 +185,7 @@ def _consistent(store: UnitStore) -> bool:
     try:
         files = {path.name: path for path in store.root.iterdir()}
         partials = [path for name, path in files.items() if name.endswith(".part")]
-        whole = {name.removesuffix(".onnx"): path for name, path in files.items()
-                 if name.endswith(".onnx")}
+        whole = {name[:64]: path for name, path in files.items() if not name.endswith(".part")}
         return (bool(partials) and all(p.stat().st_size % CHUNK_BYTES == 0 for p in partials)
                 and all(file_sha256(path) == digest for digest, path in whole.items()))
     except FileNotFoundError:  # renamed or removed while we looked

@@ -1,4 +1,5 @@
-"""The unit cache: chunked, resumable, verified, atomic, and consistent on a full disk."""
+"""The unit cache: files under their content names (`<sha256>.onnx`, `<sha256>.data`),
+chunked, resumable, verified, atomic, and consistent on a full disk."""
 
 import hashlib
 import os
@@ -9,9 +10,10 @@ import pytest
 from peerd.unit_store import StoreError, UnitStore
 
 
-def _blob(size: int, seed: int = 0) -> tuple[bytes, str]:
+def _blob(size: int, seed: int = 0, suffix: str = ".onnx") -> tuple[bytes, str]:
+    """Some bytes and their content name."""
     data = bytes((i * 31 + seed) % 251 for i in range(size))
-    return data, hashlib.sha256(data).hexdigest()
+    return data, hashlib.sha256(data).hexdigest() + suffix
 
 
 def _send(store: UnitStore, sha: str, data: bytes, chunk: int = 1000) -> None:
@@ -65,9 +67,19 @@ def test_a_corrupted_stored_unit_is_detected_and_removed(tmp_path):
     assert not store.has(sha)
 
 
-def test_names_that_are_not_digests_are_refused(tmp_path):
-    with pytest.raises(StoreError, match="not a sha256"):
-        UnitStore(tmp_path).write_chunk("../../etc/passwd", 0, b"x")
+def test_a_data_file_is_kept_beside_the_models_under_its_content_name(tmp_path):
+    store = UnitStore(tmp_path)
+    data, name = _blob(3000, suffix=".data")
+    _send(store, name, data)
+    assert store.complete(name) == tmp_path / name and store.verify(name)
+
+
+def test_names_that_are_not_content_names_are_refused(tmp_path):
+    _, name = _blob(10)
+    sha = name.removesuffix(".onnx")
+    for bad in ("../../etc/passwd", sha, f"{sha}.part", f"{sha}.onnx/x", f"../{sha}.data"):
+        with pytest.raises(StoreError, match="not a unit file's content name"):
+            UnitStore(tmp_path).write_chunk(bad, 0, b"x")
 
 
 @pytest.fixture

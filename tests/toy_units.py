@@ -4,11 +4,13 @@ It has the shape of a real sharded model without needing torch: unit 0 ("embed")
 input_ids into a hidden state and position_ids into a residual `bias`; unit 1 ("acc") keeps
 per-sequence state (the hidden states of every position so far) and adds their running sum;
 unit 2 ("head") reads the hidden state and, again, the residual `bias`, and returns logits.
+The units are written as the exporter writes them (shards.onnx_file): the embedding's table
+and the head's projection in a data file beside the model, unit 1's few constants inside it.
 """
 
 from __future__ import annotations
 
-import hashlib
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +29,10 @@ from shards.manifest import (
     UnitInput,
     UnitOutput,
 )
+from shards.onnx_file import write_unit
 
 VOCAB, HIDDEN = 11, 4
+_EXTERNAL_BYTES = 64  # tensors from this size on go to the data file
 
 
 class ToyModel:
@@ -48,23 +52,23 @@ class ToyModel:
 
 
 def write_toy(directory: Path, model: ToyModel) -> Manifest:
-    """Write the three unit files and return their manifest (not saved)."""
+    """Write the units' files and return their manifest (not saved)."""
     directory.mkdir(parents=True, exist_ok=True)
     graphs = [_embed(model), _acc(), _head(model)]
     units = []
     for index, (graph, spec) in enumerate(zip(graphs, _SPECS, strict=True)):
-        path = directory / f"{index}-{spec['name']}.onnx"
         proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-        onnx.save(proto, path)
-        data = path.read_bytes()
+        with tempfile.TemporaryDirectory() as scratch:
+            staged = Path(scratch) / "model.onnx"
+            onnx.save_model(proto, staged, save_as_external_data=True, location="model.data",
+                            size_threshold=_EXTERNAL_BYTES)
+            written = write_unit(staged, directory, f"{index}-{spec['name']}.onnx")
         units.append(
             Unit(
                 index=index,
-                file=path.name,
-                sha256=hashlib.sha256(data).hexdigest(),
-                file_bytes=len(data),
+                files=written.files,
                 flops_per_token=Flops(prefill=1.0, decode=1.0),
-                weight_bytes=0,
+                weight_bytes=written.weight_bytes,
                 **spec,
             )
         )
