@@ -4,8 +4,8 @@
 the options and the exporter (library versions and the export code of this package). A
 directory whose manifest carries the same key and all of its unit files (each of the size the
 manifest says) is reused as is, so a second `peerd shard` (or a `peerd generate` of a sharded
-model) neither exports nor even
-imports torch: shards.export is imported only when there is work to do.
+model) neither exports nor even imports torch: shards.export is imported only when there is
+work to do.
 """
 
 from __future__ import annotations
