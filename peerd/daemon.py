@@ -49,6 +49,8 @@ from peerd.serving import Serving
 from peerd.transport import Endpoint, Incoming, Transport, TransportError
 from peerd.unit_store import UnitStore
 from peerd.unit_transfer import CHUNK_TIMEOUT_S, ChunkServer
+from shards.gguf.file import SUFFIX as GGUF_SUFFIX
+from shards.gguf.file import is_gguf
 from shards.source import open_model
 
 log = logging.getLogger("peerd.daemon")
@@ -713,8 +715,10 @@ def options_from_args(args: argparse.Namespace) -> Options:
             raise PeerdError(f"--interface {args.interface!r} is not an IP address") from None
     if not 0 <= args.port <= 65533:
         raise PeerdError(f"--port {args.port} is out of range (it uses PORT..PORT+2)")
-    if args.model and not Path(args.model).is_dir():
-        raise PeerdError(f"--model {args.model} is not a directory")
+    model = Path(args.model) if args.model else None
+    if model and not (model.is_dir() or (model.is_file() and is_gguf(model))):
+        raise PeerdError(f"--model {args.model} is neither a checkpoint directory nor a "
+                         f"{GGUF_SUFFIX} file")
     return Options(
         state_dir=statedir.resolve(args.state_dir),
         interface=args.interface,
