@@ -147,6 +147,13 @@ class TextStream:
         piece, self.text = text[len(self.text) :], text
         return piece
 
+    def finish(self) -> str:
+        """The whole answer's text, a character cut short at its end included (as U+FFFD,
+        which is what its tokens decode to)."""
+        if self._tokenizer is not None:
+            self.text = self._tokenizer.decode(self._tokens)
+        return self.text
+
 
 @dataclass(frozen=True)
 class Head:
@@ -209,7 +216,7 @@ class ChatService:
             generation.cancel()
         stats = _stats(answered, len(prompt), started, token_times)
         await send({"event": "done", "ok": True, "token_ids": answered.tokens,
-                    "text": text.text, "stats": stats})
+                    "text": text.finish(), "stats": stats})
 
     def _prompt_ids(self, head: Head, body: ChatBody) -> list[int]:
         if body.prompt_ids is not None:

@@ -8,7 +8,8 @@ from waiting import eventually
 
 from peerd.dataplane import Limits
 from peerd.errors import PeerdError
-from peerd.serving import parse_chat
+from peerd.serving import TextStream, parse_chat
+from shards.tokenizer import Tokenizer
 
 PROMPT = [1, 2, 3]
 
@@ -124,3 +125,16 @@ async def test_text_prompts_need_a_tokenizer(ring):
 def test_malformed_chat_requests_are_refused_with_the_reason(request_, reason):
     with pytest.raises(PeerdError, match=reason):
         parse_chat(request_)
+
+
+def test_text_is_streamed_in_whole_characters_and_the_answer_ends_with_what_its_tokens_say(
+    hf_checkpoint,
+):
+    tokenizer = Tokenizer.from_dir(hf_checkpoint("llama"))
+    ids = tokenizer.encode("a猫", add_special_tokens=False)
+    cut = ids[:-1]  # the last byte of 猫 is missing
+    assert len(ids) >= 3 and tokenizer.decode(cut).endswith("\ufffd")
+    stream = TextStream(tokenizer)
+    pieces = [stream.add(token) for token in cut]
+    assert "".join(pieces) == "a"
+    assert stream.finish() == tokenizer.decode(cut)
