@@ -49,6 +49,7 @@ from peerd.serving import Serving
 from peerd.transport import Endpoint, Incoming, Transport, TransportError
 from peerd.unit_store import UnitStore
 from peerd.unit_transfer import CHUNK_TIMEOUT_S, ChunkServer
+from shards.manifest import Quant
 
 log = logging.getLogger("peerd.daemon")
 
@@ -75,6 +76,7 @@ class Options:
     static_peers: tuple[tuple[str, int], ...] = ()
     battery_file: str | None = None
     model: str | None = None
+    quant: Quant = Quant.NONE  # the weights of the units made of `model`
     membership_timing: membership.Timing = membership.Timing()
     election_timing: election.Timing = election.Timing()
     measure_interval_s: float = 1.0  # figures from every peer; links every links_interval_s
@@ -110,7 +112,8 @@ class Daemon:
         self.report: protocol.ClusterReport | None = None
         self.history = FiguresHistory()
         self.model_host = (
-            ModelHost(Path(options.model), options.state_dir) if options.model else None
+            ModelHost(Path(options.model), options.state_dir, options.quant)
+            if options.model else None
         )
         self.chunks = ChunkServer(self._served_files)
         self.deployment = Deployment(
@@ -725,6 +728,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         rebalance=not args.no_rebalance,
         objective=args.objective,
         model=args.model,
+        quant=args.quant,
         openai=parse_address(args.openai) if args.openai else None,
     )
 

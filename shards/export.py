@@ -3,8 +3,8 @@
 The model is built on the "meta" device and segmented (shards.segment); then, unit by unit,
 only that unit's weights are read from the checkpoint, the unit runs on example inputs
 (shards.examples) to learn its dynamic axes and costs, is exported with torch.onnx (the
-torch.export-based exporter), checked against torch with ONNX Runtime, optionally
-int8-quantised, and its weights are dropped again. The whole model is never in memory.
+torch.export-based exporter), checked against torch with ONNX Runtime or quantised (int8
+or int4, shards.quantize), and its weights are dropped again. The whole model is never in memory.
 `shards.cache.shard` decides whether there is anything to export.
 """
 
@@ -41,6 +41,7 @@ from shards.manifest import (
     Manifest,
     ModelInfo,
     Options,
+    Quant,
     StateSpec,
     Unit,
     UnitInput,
@@ -95,7 +96,7 @@ class _Exporter:
         manifest = Manifest(
             key=key,
             model=_model_info(self.config, source_sha256),
-            options=Options(int8=self.options.int8, granularity=self.options.granularity),
+            options=Options(quant=self.options.quant, granularity=self.options.granularity),
             return_bytes=RETURN_BYTES,
             units=tuple(units),
         )
@@ -120,10 +121,10 @@ class _Exporter:
             staged = _to_onnx(module, unit, runs, Path(scratch))
             del module
             _release(self.model, targets)
-            if self.options.int8:
-                staged = quantize_unit(staged)
-            else:
+            if self.options.quant is Quant.NONE:
                 _check(staged, unit, *runs[examples.EXPORT])
+            else:
+                staged = quantize_unit(staged, self.options.quant)
             weight_bytes = write_single_file(staged, path)
         return self._manifest_unit(unit, relative, runs, flops, weight_bytes)
 

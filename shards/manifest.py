@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,16 @@ FORMAT = 1
 MANIFEST_NAME = "manifest.json"
 REQUEST = -1
 GRANULARITIES = ("half", "layer")  # units are layer halves (attn, mlp) or whole layers
+
+
+class Quant(StrEnum):
+    """How a unit's weights are stored: float32, int8 (dynamic quantisation) or int4
+    (weight-only blocks). The one definition of the choices (`--quant`, the cache key, the
+    manifest's `options.quant`)."""
+
+    NONE = "none"
+    INT8 = "int8"
+    INT4 = "int4"
 
 
 class ManifestError(ValueError):
@@ -93,7 +104,7 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class Options:
-    int8: bool
+    quant: Quant
     granularity: str
 
 
@@ -174,7 +185,7 @@ class Manifest:
             manifest = cls(
                 key=str(data["key"]),
                 model=_model_info(data["model"]),
-                options=Options(**data["options"]),
+                options=_options(data["options"]),
                 return_bytes=int(data["return_bytes"]),
                 units=tuple(_unit(u) for u in data["units"]),
             )
@@ -182,6 +193,14 @@ class Manifest:
             raise ManifestError(f"malformed manifest: {type(exc).__name__}: {exc}") from None
         _check_chain(manifest.units)
         return manifest
+
+
+def _options(data: dict[str, Any]) -> Options:
+    """`{"quant", "granularity"}`; manifests written before int4 say `"int8": bool`."""
+    if "int8" in data:
+        data = {"quant": Quant.INT8 if data["int8"] else Quant.NONE,
+                **{k: v for k, v in data.items() if k != "int8"}}
+    return Options(quant=Quant(data["quant"]), granularity=str(data["granularity"]))
 
 
 def _model_info(data: dict[str, Any]) -> ModelInfo:

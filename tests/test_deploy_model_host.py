@@ -13,13 +13,13 @@ import pytest
 from peerd.model_host import ModelHost
 from peerd.protocol import UnitChunk, UnitChunkRequest
 from peerd.unit_transfer import ChunkServer
-from shards.manifest import Manifest
+from shards.manifest import Manifest, Quant
 
 
 @pytest.mark.slow
 async def test_the_model_is_sharded_in_a_child_process_and_offered(hf_checkpoint, tmp_path,
                                                                    caplog):
-    host = ModelHost(hf_checkpoint("llama"), tmp_path)
+    host = ModelHost(hf_checkpoint("llama"), tmp_path, Quant.INT4)
     assert host.offer(1, None).state == "sharding"
     with caplog.at_level(logging.INFO, "peerd.model_host"):
         await host.run()
@@ -28,6 +28,7 @@ async def test_the_model_is_sharded_in_a_child_process_and_offered(hf_checkpoint
 
     manifest = host.manifest
     assert manifest == Manifest.load(tmp_path / "shards" / manifest.key)
+    assert manifest.options.quant is Quant.INT4, "the child was asked for --quant int4"
     offer = host.offer(7, None)
     assert (offer.req, offer.state, offer.key) == (7, "ready", manifest.key)
     assert Manifest.from_dict(offer.manifest) == manifest

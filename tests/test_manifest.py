@@ -8,7 +8,7 @@ import json
 import pytest
 from sharding import sharded
 
-from shards.manifest import MANIFEST_NAME, Manifest, ManifestError
+from shards.manifest import MANIFEST_NAME, Manifest, ManifestError, Options, Quant
 
 
 @pytest.fixture(scope="module")
@@ -67,4 +67,21 @@ def test_dependencies_must_point_forward(bloom):
     units[1] = dataclasses.replace(first, inputs=(backwards, *first.inputs[1:]))
     data = dataclasses.replace(bloom.manifest, units=tuple(units)).to_dict()
     with pytest.raises(ManifestError, match="comes from unit 3"):
+        Manifest.from_dict(data)
+
+
+@pytest.mark.parametrize(("options", "quant"), [
+    ({"quant": "int4", "granularity": "half"}, Quant.INT4),
+    ({"int8": True, "granularity": "half"}, Quant.INT8),  # written before int4 existed
+    ({"int8": False, "granularity": "half"}, Quant.NONE),
+])
+def test_options_name_the_quantisation(bloom, options, quant):
+    manifest = Manifest.from_dict({**bloom.manifest.to_dict(), "options": options})
+    assert manifest.options == Options(quant, "half")
+    assert manifest.to_dict()["options"] == {"quant": quant.value, "granularity": "half"}
+
+
+def test_an_unknown_quantisation_is_refused(bloom):
+    data = {**bloom.manifest.to_dict(), "options": {"quant": "int3", "granularity": "half"}}
+    with pytest.raises(ManifestError, match="malformed manifest: ValueError: 'int3'"):
         Manifest.from_dict(data)
