@@ -1,7 +1,9 @@
 """Quantisation of a staged unit, one weight (and one slice of it) at a time.
 
 Every constant float matrix a MatMul multiplies by, or a Gather reads rows from (the
-embedding), is replaced, and so is the node:
+embedding), is replaced, and so is the node. For int4 so is a Gemm that is a plain matrix
+product (no bias input, no transposes, alpha 1: GPT-2's Conv1D layers, whose bias is a
+separate Add); int8 leaves Gemm alone, as quantize_dynamic does for MatMul and Gather only:
 
 - int8: MatMul weights become int8, per tensor and symmetric, under ONNX Runtime's
   DynamicQuantizeMatMul, which quantises its activations at run time (the op ONNX Runtime
@@ -96,11 +98,12 @@ def quantize_unit(staged: Path, quant: Quant) -> Path:
         sink = _Sink(handle)
         for node in graph.node:
             weight = _float_weight(node, initializers)
-            if weight is None:
+            scheme = weight and _scheme(quant, node, initializers[weight])
+            if not scheme:
                 nodes.append(node)
                 continue
             array = _read(initializers[weight], staged.parent)
-            quantize, rewrite = _scheme(quant, node, array)
+            quantize, rewrite = scheme
             key = (weight, quantize.__name__)
             if key not in done:
                 done[key] = quantize(weight, array, sink)
@@ -118,18 +121,24 @@ def quantize_unit(staged: Path, quant: Quant) -> Path:
     return out
 
 
-def _scheme(quant: Quant, node: onnx.NodeProto, array: np.ndarray) -> tuple[Quantizer, Rewriter]:
+def _scheme(quant: Quant, node: onnx.NodeProto, weight: TensorProto
+            ) -> tuple[Quantizer, Rewriter] | None:
+    """How to quantise this node's weight and what replaces the node; None: leave it."""
+    if node.op_type == "Gemm":
+        return (_int4_matmul, _matmul_nbits) if quant is Quant.INT4 else None
     if node.op_type == "MatMul":
         return (_int4_matmul, _matmul_nbits) if quant is Quant.INT4 else (_int8, _dynamic_matmul)
-    whole_blocks = array.shape[1] % BLOCK == 0 and _gather_axis(node) == 0
+    whole_blocks = weight.dims[1] % BLOCK == 0 and _attribute(node, "axis", 0) == 0
     if quant is Quant.INT4 and whole_blocks:
         return _int4_table, _block_gather
     return _uint8, _dequantized_gather
 
 
 def _float_weight(node: onnx.NodeProto, initializers: dict[str, TensorProto]) -> str | None:
-    """The float matrix this MatMul multiplies by, or this Gather reads from, if constant."""
-    position = {"MatMul": 1, "Gather": 0}.get(node.op_type)
+    """The float matrix this MatMul (or plain Gemm) multiplies by, or this Gather reads
+    from, if constant."""
+    position = {"MatMul": 1, "Gather": 0, "Gemm": 1 if _plain_gemm(node) else None}.get(
+        node.op_type)
     if position is None or len(node.input) <= position:
         return None
     tensor = initializers.get(node.input[position])
@@ -255,5 +264,13 @@ def _block_gather(node: onnx.NodeProto, q: _Quantized) -> list[onnx.NodeProto]:
     )]
 
 
-def _gather_axis(node: onnx.NodeProto) -> int:
-    return next((a.i for a in node.attribute if a.name == "axis"), 0)
+def _plain_gemm(node: onnx.NodeProto) -> bool:
+    """A Gemm that computes A @ B and nothing else."""
+    return (node.op_type == "Gemm" and len(node.input) == 2
+            and _attribute(node, "alpha", 1.0) == 1.0
+            and _attribute(node, "transA", 0) == _attribute(node, "transB", 0) == 0)
+
+
+def _attribute(node: onnx.NodeProto, name: str, default: float) -> float:
+    attribute = next((a for a in node.attribute if a.name == name), None)
+    return default if attribute is None else helper.get_attribute_value(attribute)

@@ -9,7 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from daemon_objects import unstarted_daemon
 
+from peerd.cli import build_parser
+from peerd.daemon import options_from_args
 from peerd.model_host import ModelHost
 from peerd.protocol import UnitChunk, UnitChunkRequest
 from peerd.unit_transfer import ChunkServer
@@ -39,6 +42,15 @@ async def test_the_model_is_sharded_in_a_child_process_and_offered(hf_checkpoint
         UnitChunkRequest(1, unit.sha256, 0, unit.file_bytes))
     assert isinstance(answer, UnitChunk) and answer.size == unit.file_bytes
     assert answer.tensors["data"].tobytes() == (host.files[unit.sha256]).read_bytes()
+
+
+@pytest.mark.parametrize(("flags", "quant"), [
+    ((), Quant.NONE), (("--quant", "int4"), Quant.INT4), (("--int8",), Quant.INT8)])
+async def test_peerd_start_hands_its_quant_to_the_model_host(tmp_path, flags, quant):
+    args = build_parser().parse_args(
+        ["start", "--state-dir", str(tmp_path), "--model", str(tmp_path), *flags])
+    async with unstarted_daemon(tmp_path, options_from_args(args)) as daemon:
+        assert daemon.model_host.quant is quant
 
 
 async def test_a_model_that_cannot_be_sharded_is_reported_not_raised(tmp_path):

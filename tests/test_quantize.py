@@ -36,22 +36,22 @@ def _feeds(session: ort.InferenceSession) -> dict[str, np.ndarray]:
     return feeds
 
 
-def _staged(hf_checkpoint, tmp_path, unit: int):
-    result = sharded(hf_checkpoint("llama"))
+def _staged(hf_checkpoint, tmp_path, unit: int, family: str = "llama", name="model.onnx"):
+    result = sharded(hf_checkpoint(family))
     model = onnx.load(str(result.directory / result.manifest.units[unit].file))
-    staged = tmp_path / "model.onnx"
+    staged = tmp_path / name
     onnx.save(model, str(staged), save_as_external_data=True, location="model.data",
               size_threshold=1024)
     return staged
 
 
-def _reference(staged, quant: Quant, out) -> None:
+def _reference(staged, quant: Quant, out, model=None) -> None:
     if quant is Quant.INT8:
         quantize_dynamic(staged, out, weight_type=QuantType.QInt8,
                          op_types_to_quantize=["MatMul", "Gather"])
         return
     quantizer = MatMulNBitsQuantizer(
-        onnx.load(str(staged)), block_size=quantize.BLOCK, is_symmetric=True,
+        model or onnx.load(str(staged)), block_size=quantize.BLOCK, is_symmetric=True,
         accuracy_level=quantize.ACCURACY_LEVEL, op_types_to_quantize=("MatMul", "Gather"),
         quant_axes=(("MatMul", 0), ("Gather", 1)),
     )
@@ -96,6 +96,26 @@ def test_weights_read_in_small_slices_give_the_same_file(
     sliced = tmp_path / "sliced.onnx"
     write_single_file(quantize_unit(staged, quant), sliced)
     assert sliced.read_bytes() == whole.read_bytes()
+
+
+@pytest.mark.parametrize("unit", [1, 2])
+def test_int4_quantises_gpt2s_gemm_layers_as_matmuls(hf_checkpoint, tmp_path, unit):
+    """GPT-2's Conv1D layers are Gemm(A, B) (the bias is an Add): the same product as MatMul,
+    and int4 quantises them exactly as MatMulNBitsQuantizer quantises that MatMul."""
+    staged = _staged(hf_checkpoint, tmp_path, unit, "gpt2")
+    as_matmul = onnx.load(str(staged))
+    gemms = [n for n in as_matmul.graph.node if n.op_type == "Gemm"]
+    assert gemms
+    for node in gemms:
+        node.op_type = "MatMul"
+        del node.attribute[:]
+    reference, ours = tmp_path / "reference.onnx", tmp_path / "ours.onnx"
+    _reference(None, Quant.INT4, reference, as_matmul)
+    write_single_file(quantize_unit(staged, Quant.INT4), ours)
+    for want, have in zip(_outputs(reference), _outputs(ours), strict=True):
+        np.testing.assert_array_equal(have, want)
+    ops = [n.op_type for n in onnx.load(str(ours)).graph.node]
+    assert "Gemm" not in ops and ops.count("MatMulNBits") == len(gemms)
 
 
 def test_int4_layout_is_matmulnbits_blocks(hf_checkpoint, tmp_path):
