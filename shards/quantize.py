@@ -67,7 +67,9 @@ class _Sink:
         self.handle = handle
         self.tensors: list[TensorProto] = []
 
-    def tensor(self, name: str, qtype: int, dims: tuple[int, ...], parts: Iterator[np.ndarray]):
+    def tensor(
+        self, name: str, qtype: int, dims: tuple[int, ...], parts: Iterator[np.ndarray]
+    ) -> None:
         offset = self.handle.tell()
         for part in parts:
             self.handle.write(np.ascontiguousarray(part).tobytes())
@@ -91,23 +93,9 @@ def quantize_unit(staged: Path, quant: Quant) -> Path:
     """Write the `quant` version of the model at `staged` beside it; return its path."""
     model = onnx.load(str(staged), load_external_data=False)
     graph = model.graph
-    initializers = {t.name: t for t in graph.initializer}
-    done: dict[tuple[str, str], _Quantized] = {}
-    nodes: list[onnx.NodeProto] = []
     with (staged.parent / _DATA_FILE).open("wb") as handle:
         sink = _Sink(handle)
-        for node in graph.node:
-            weight = _float_weight(node, initializers)
-            scheme = weight and _scheme(quant, node, initializers[weight])
-            if not scheme:
-                nodes.append(node)
-                continue
-            array = _read(initializers[weight], staged.parent)
-            quantize, rewrite = scheme
-            key = (weight, quantize.__name__)
-            if key not in done:
-                done[key] = quantize(weight, array, sink)
-            nodes.extend(rewrite(node, done[key]))
+        nodes = _rewritten(graph, quant, staged.parent, sink)
     del graph.node[:]
     graph.node.extend(nodes)
     used = {name for node in nodes for name in node.input}
@@ -119,6 +107,26 @@ def quantize_unit(staged: Path, quant: Quant) -> Path:
     out = staged.parent / "quantized.onnx"
     onnx.save(model, str(out))
     return out
+
+
+def _rewritten(graph: onnx.GraphProto, quant: Quant, directory: Path, sink: _Sink
+               ) -> list[onnx.NodeProto]:
+    """The graph's nodes with every weight it quantises quantised (once) into `sink`."""
+    initializers = {t.name: t for t in graph.initializer}
+    done: dict[tuple[str, str], _Quantized] = {}
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        weight = _float_weight(node, initializers)
+        scheme = weight and _scheme(quant, node, initializers[weight])
+        if not scheme:
+            nodes.append(node)
+            continue
+        quantize, rewrite = scheme
+        key = (weight, quantize.__name__)
+        if key not in done:
+            done[key] = quantize(weight, _read(initializers[weight], directory), sink)
+        nodes.extend(rewrite(node, done[key]))
+    return nodes
 
 
 def _scheme(quant: Quant, node: onnx.NodeProto, weight: TensorProto
