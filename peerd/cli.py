@@ -67,7 +67,7 @@ class _QuantAction(argparse.Action):
 def _add_quant(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--quant", action=_QuantAction, choices=[q.value for q in Quant], default=Quant.NONE,
-        help=f"{what}: none (float32, default), int8 (dynamic quantisation, about 0.26x the "
+        help=f"{what}: none (float32, default), int8 (dynamic quantisation, about 0.25x the "
         "bytes) or int4 (weight-only blocks of 32, about 0.16x)",
     )
     p.add_argument("--int8", action=_QuantAction, nargs=0, const=Quant.INT8.value,

@@ -4,8 +4,8 @@ The model is built on the "meta" device and segmented (shards.segment); then, un
 only that unit's weights are read from the checkpoint, the unit runs on example inputs
 (shards.examples) to learn its dynamic axes and costs, is exported with torch.onnx (the
 torch.export-based exporter), checked against torch with ONNX Runtime or quantised (int8
-or int4, shards.quantize), and its weights are dropped again. The whole model is never in memory.
-`shards.cache.shard` decides whether there is anything to export.
+or int4, shards.quantize), and its weights are dropped again. The whole model is never in
+memory. `shards.cache.shard` decides whether there is anything to export.
 """
 
 from __future__ import annotations
