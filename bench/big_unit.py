@@ -7,7 +7,7 @@ a fresh process as a peer does (`StageExecutor`), runs one 3-token step, compare
 with numpy on the checkpoint's weights, and prints each unit's files and the process's memory.
 Needs about 8 GB of memory, 12 GB of disk and several minutes; not part of the tests.
 
-    .venv/bin/python -m bench.big_unit [--int8] [--work DIR]
+    .venv/bin/python -m bench.big_unit [--quant none|int8|int4] [--work DIR]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.llama_checkpoint import LlamaShape, write_llama
+from shards.manifest import Quant
 
 QWEN_7B_WIDTH = LlamaShape(layers=1, hidden=3584, intermediate=512, heads=28, kv_heads=4,
                            vocab=152064)
@@ -38,14 +39,13 @@ def main() -> None:
         model_dir = write_llama(Path(work) / "model", QWEN_7B_WIDTH, dtype="float16")
         command = [sys.executable, "-m", "peerd", "shard", str(model_dir),
                    "--out", str(Path(work) / "units"), "--json"]
-        if args.int8:
-            command.append("--int8")
+        command += ["--quant", args.quant]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             sys.exit(f"peerd shard failed: {done.stderr.strip()}")
         summary = json.loads(done.stdout)
         stats = summary["stats"]
-        print(f"checkpoint: {QWEN_7B_WIDTH}, float16 on disk, int8={args.int8}")
+        print(f"checkpoint: {QWEN_7B_WIDTH}, float16 on disk, quant {args.quant}")
         print(f"peerd shard: {len(summary['units'])} units in {stats['seconds']:.0f}s, "
               f"peak RSS {stats['peak_rss_bytes'] / MB:.0f} MB")
         units_dir = Path(summary["directory"])
@@ -139,7 +139,8 @@ def _memory() -> dict[str, int]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--int8", action="store_true", help="shard with int8 weights")
+    p.add_argument("--quant", choices=[q.value for q in Quant], default=Quant.NONE.value,
+                   help="how the units store their weights (default none: float32)")
     p.add_argument("--work", help="directory for the checkpoint and units (default: /tmp)")
     p.add_argument("--load", nargs=2, metavar=("UNITS_DIR", "INDEX"), help=argparse.SUPPRESS)
     return p

@@ -4,7 +4,7 @@ Writes a random Llama-format checkpoint (default 24 layers, hidden 1024, float16
 runs the real `peerd shard --json` in a subprocess, and compares its peak RSS with the
 target: below twice the largest unit's weights plus 600 MB (the whole model never in memory).
 
-    .venv/bin/python -m bench.shard_memory [--layers 24 --hidden 1024 ...] [--int8]
+    .venv/bin/python -m bench.shard_memory [--layers 24 --hidden 1024 ...] [--quant int4]
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from bench.llama_checkpoint import LlamaShape, write_llama
+from shards.manifest import Quant
 
 MB = 1024 * 1024
 
@@ -28,9 +29,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="peerd-bench-") as work:
         model_dir = write_llama(Path(work) / "model", shape, dtype=args.dtype)
         command = [sys.executable, "-m", "peerd", "shard", str(model_dir),
-                   "--out", str(Path(work) / "units"), "--json"]
-        if args.int8:
-            command.append("--int8")
+                   "--out", str(Path(work) / "units"), "--json", "--quant", args.quant]
         done = subprocess.run(command, capture_output=True, text=True, check=True)
     stats = json.loads(done.stdout)["stats"]
     total, largest, peak = (stats[k] for k in
@@ -38,7 +37,7 @@ def main() -> None:
     # sharding runs every unit in float32 before quantising it, so that is what it holds
     largest_float32 = 4 * _largest_unit_parameters(shape)
     target = 2 * largest_float32 + 600 * MB
-    print(f"model: {shape}, {args.dtype} on disk, int8={args.int8}")
+    print(f"model: {shape}, {args.dtype} on disk, quant {args.quant}")
     print(f"units: {len(json.loads(done.stdout)['units'])}, exported in {stats['seconds']:.0f}s")
     print(f"weights of all units as written: {total / MB:8.0f} MB")
     print(f"largest unit as written:         {largest / MB:8.0f} MB")
@@ -64,7 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--dtype", default="float16", help="dtype of the weights on disk")
-    p.add_argument("--int8", action="store_true", help="also quantise the units")
+    p.add_argument("--quant", choices=[q.value for q in Quant], default=Quant.NONE.value,
+                   help="quantise the units (default none)")
     return p
 
 

@@ -4,8 +4,7 @@ One run, one random Llama-format model (default 12 layers, hidden 512): decode t
 the time of a 128-token prefill, for the whole model in torch eager and for its exported
 units split into K stages in one process (every inter-stage message encoded and decoded by
 peerd.protocol), side by side with their ratio (ONNX / torch: above 1 means ONNX is
-faster). Then the int8 units' top-1 agreement with float32 over 256 tokens, teacher-forced
-on the float32 greedy sequence.
+faster). How int8 and int4 units agree with float32 is measured by bench.quant.
 
     .venv/bin/python -m bench.shards [--layers 12 --hidden 512 ...] [--parts 1,4]
 """
@@ -30,8 +29,7 @@ from peerd.generate import build_pipeline, generate
 from shards.arch import empty_cache
 from shards.cache import ShardResult
 from shards.checkpoint import load_model
-from shards.executor import StageExecutor
-from shards.manifest import Manifest
+from shards.manifest import Manifest, Quant
 from shards.sampling import SamplingParams
 
 Run = tuple[float, float, list[int]]  # prefill seconds, decode tokens/s, tokens
@@ -44,12 +42,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="peerd-bench-") as work:
         model_dir = write_llama(Path(work) / "model", shape)
         print(f"model: {shape}; ONNX Runtime threads: its default (one per core)")
-        fp32 = _shard(model_dir, Path(work), int8=False)
-        int8 = _shard(model_dir, Path(work), int8=True)
+        fp32 = shard_units(model_dir, Path(work), Quant.NONE)
+        int8 = shard_units(model_dir, Path(work), Quant.INT8)
         prompt = np.random.default_rng(0).integers(3, args.vocab, args.prefill).tolist()
         runners = _contenders(model_dir, fp32, int8, prompt, args)
-        _print_results(_measure(runners, args.repeats))
-        _agreement(fp32, int8, prompt[:16], args.agreement_tokens)
+        _print_results(round_robin(runners, args.repeats))
 
 
 def _contenders(model_dir: Path, fp32: ShardResult, int8: ShardResult, prompt: list[int],
@@ -60,12 +57,12 @@ def _contenders(model_dir: Path, fp32: ShardResult, int8: ShardResult, prompt: l
         for n in sorted({threads, 1}, reverse=True)
     }
     for parts in map(int, args.parts.split(",")):
-        runners[f"onnx K={parts}"] = _onnx(fp32, parts, prompt, args.decode)
-    runners["onnx int8 K=1"] = _onnx(int8, 1, prompt, args.decode)
+        runners[f"onnx K={parts}"] = onnx_runner(fp32, parts, prompt, args.decode)
+    runners["onnx int8 K=1"] = onnx_runner(int8, 1, prompt, args.decode)
     return runners
 
 
-def _measure(runners: dict[str, Callable[[], Run]], repeats: int) -> dict[str, dict]:
+def round_robin(runners: dict[str, Callable[[], Run]], repeats: int) -> dict[str, dict]:
     """Round-robin, so that load from other processes hits every contender alike."""
     runs: dict[str, list[Run]] = {label: [] for label in runners}
     for _ in range(repeats):
@@ -101,19 +98,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=64, help="decode steps timed")
     p.add_argument("--parts", default="1,4", help="stage counts K to run")
     p.add_argument("--repeats", type=int, default=5, help="runs per contender (best kept)")
-    p.add_argument("--agreement-tokens", type=int, default=256)
     return p
 
 
-def _shard(model_dir: Path, work: Path, int8: bool) -> ShardResult:
-    """Shard with the real CLI, in a subprocess (which also reports its peak RSS)."""
-    out = work / ("units-int8" if int8 else "units")
-    command = [sys.executable, "-m", "peerd", "shard", str(model_dir), "--out", str(out), "--json"]
-    done = subprocess.run([*command, *(["--int8"] if int8 else [])], capture_output=True,
-                          text=True, check=True)
+def shard_units(model_dir: Path, work: Path, quant: Quant) -> ShardResult:
+    """Shard with the real CLI, in a subprocess (which also reports its peak RSS), into
+    `work/units-QUANT`; a complete earlier result there is reused."""
+    out = work / f"units-{quant.value}"
+    command = [sys.executable, "-m", "peerd", "shard", str(model_dir), "--out", str(out), "--json",
+               "--quant", quant.value]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
     stats = json.loads(done.stdout)["stats"]
     manifest = Manifest.load(out)
-    print(f"sharded ({'int8' if int8 else 'fp32'}): {len(manifest.units)} units in "
+    print(f"sharded ({quant.value}): {len(manifest.units)} units in "
           f"{stats['seconds']:.1f}s, peak RSS {stats['peak_rss_bytes'] / 2**20:.0f} MB")
     return ShardResult(manifest, out, True, stats["seconds"])
 
@@ -140,7 +137,9 @@ def _torch_eager(
     return run
 
 
-def _onnx(result: ShardResult, parts: int, prompt: list[int], steps: int) -> Callable[[], Run]:
+def onnx_runner(
+    result: ShardResult, parts: int, prompt: list[int], steps: int
+) -> Callable[[], Run]:
     pipeline = build_pipeline(result.manifest, result.directory, parts)
 
     def run() -> Run:
@@ -169,27 +168,6 @@ def _report(label: str, run: dict, eager: dict) -> None:
         f"x{run['decode_tps'] / eager['decode_tps']:.2f})"
     )
     sys.stdout.flush()
-
-
-def _agreement(fp32: ShardResult, int8: ShardResult, prompt: list[int], count: int) -> None:
-    """int8 top-1 vs the float32 greedy tokens, both fed the float32 sequence."""
-    reference = generate(build_pipeline(fp32.manifest, fp32.directory, 1), fp32.manifest,
-                         prompt, count, SamplingParams(), stop_at_eos=False).token_ids
-    sequence = np.array([prompt + reference[:-1]])
-    logits = []
-    for result in (fp32, int8):
-        stage = StageExecutor(result.manifest, result.directory, 0, len(result.manifest.units) - 1)
-        step = {"input_ids": sequence, "position_ids": np.arange(sequence.shape[1])[None]}
-        logits.append(stage.step("s", step)["logits"][0, len(prompt) - 1 :])
-    top2 = np.sort(logits[0], axis=-1)[:, -2:]
-    margin = top2[:, 1] - top2[:, 0]
-    agree = logits[1].argmax(-1) == np.array(reference)
-    itself = (logits[0].argmax(-1) == np.array(reference)).mean()
-    clear = margin > np.median(margin)
-    print(f"int8 top-1 agreement with fp32 over {count} tokens (teacher-forced): "
-          f"{agree.mean():.3f}; fp32 against itself: {itself:.3f}")
-    print(f"  fp32 top-2 logit margin: median {np.median(margin):.4f}; agreement where the margin "
-          f"is above that median: {agree[clear].mean():.3f}, below: {agree[~clear].mean():.3f}")
 
 
 if __name__ == "__main__":

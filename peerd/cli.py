@@ -14,6 +14,7 @@ import os
 import sys
 
 from peerd.errors import PeerdError
+from shards.manifest import Quant
 
 
 def _ids(text: str) -> list[int]:
@@ -49,6 +50,30 @@ def _add_prompt(p: argparse.ArgumentParser, required: bool) -> None:
     group.add_argument("--prompt-ids", type=_ids, help="prompt as token ids, e.g. 1,2,3")
 
 
+class _QuantAction(argparse.Action):
+    """`--quant Q` and its alias `--int8` (= `--quant int8`): both may be given when they
+    agree; `--quant int4 --int8` is a usage error."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        value = Quant(self.const or values)
+        flag = f"{option_string} {values}" if values else option_string
+        given = getattr(namespace, "_quant_given", None)
+        if given is not None and given[1] is not value:
+            parser.error(f"{flag} conflicts with {given[0]}")
+        namespace._quant_given = (flag, value)
+        setattr(namespace, self.dest, value)
+
+
+def _add_quant(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--quant", action=_QuantAction, choices=[q.value for q in Quant], default=Quant.NONE,
+        help=f"{what}: none (float32, default), int8 (dynamic quantisation, about 0.25x the "
+        "bytes) or int4 (weight-only blocks of 32, about 0.16x)",
+    )
+    p.add_argument("--int8", action=_QuantAction, nargs=0, const=Quant.INT8.value,
+                   dest="quant", help="the same as --quant int8")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="peerd",
@@ -76,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", help="model served by this peer: a checkpoint directory or a GGUF file"
     )
+    _add_quant(p, "the weights of the units this peer makes of --model (every peer runs them)")
     p.add_argument("--interface", help="IP address to listen and advertise on")
     p.add_argument("--port", type=int, default=0, help="ZeroMQ port (default: any free port)")
     p.add_argument(
@@ -134,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prompt(p, required=True)
     p.add_argument("--parts", type=int, default=1, help="number of stages K (default 1)")
     _add_sampling(p)
-    p.add_argument("--int8", action="store_true", help="int8 dynamic-quantised units")
+    _add_quant(p, "weights of the units")
     p.add_argument("--fp16-wire", action="store_true", help="float16 activations between stages")
     p.add_argument("--json", action="store_true", help="print one JSON object when done")
     p.set_defaults(handler="peerd.generate:cmd_generate")
@@ -142,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("shard", help="split a model into ONNX units with a manifest")
     p.add_argument("model_dir", metavar="MODEL", help="a checkpoint directory or a GGUF file")
     p.add_argument("--out", help="output directory (default: the shard cache in the state dir)")
-    p.add_argument("--int8", action="store_true", help="int8 dynamic quantisation")
+    _add_quant(p, "weights of the units")
     p.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
     p.set_defaults(handler="shards.cli:cmd_shard")
 

@@ -76,6 +76,7 @@ class ModelStatus:
             "architecture": manifest.model.architecture if manifest else None,
             "units": len(manifest.units) if manifest else None,
             "key": manifest.key if manifest else None,
+            "quant": manifest.options.quant.value if manifest else None,
         }
 
 

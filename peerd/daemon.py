@@ -51,6 +51,7 @@ from peerd.unit_store import UnitStore
 from peerd.unit_transfer import CHUNK_TIMEOUT_S, ChunkServer
 from shards.gguf.file import SUFFIX as GGUF_SUFFIX
 from shards.gguf.file import is_gguf
+from shards.manifest import Quant
 from shards.source import open_model
 
 log = logging.getLogger("peerd.daemon")
@@ -78,6 +79,7 @@ class Options:
     static_peers: tuple[tuple[str, int], ...] = ()
     battery_file: str | None = None
     model: str | None = None
+    quant: Quant = Quant.NONE  # the weights of the units made of `model`
     membership_timing: membership.Timing = membership.Timing()
     election_timing: election.Timing = election.Timing()
     measure_interval_s: float = 1.0  # figures from every peer; links every links_interval_s
@@ -113,7 +115,8 @@ class Daemon:
         self.report: protocol.ClusterReport | None = None
         self.history = FiguresHistory()
         self.model_host = (
-            ModelHost(Path(options.model), options.state_dir) if options.model else None
+            ModelHost(Path(options.model), options.state_dir, options.quant)
+            if options.model else None
         )
         self.chunks = ChunkServer(self._served_files)
         self.deployment = Deployment(
@@ -730,6 +733,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         rebalance=not args.no_rebalance,
         objective=args.objective,
         model=args.model,
+        quant=args.quant,
         openai=parse_address(args.openai) if args.openai else None,
     )
 

@@ -35,12 +35,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise PeerdError(f"--max-tokens must be at least 1, not {args.max_tokens}")
     prompt = _prompt_ids(args, model_dir)
-    shards = shard_or_reuse(model_dir, None, ShardOptions(int8=args.int8))
+    shards = shard_or_reuse(model_dir, None, ShardOptions(quant=args.quant))
     manifest = shards.manifest
     pipeline = build_pipeline(manifest, shards.directory, args.parts, args.fp16_wire)
     run = generate(pipeline, manifest, prompt, args.max_tokens, params)
     text = _decode(model_dir, run.token_ids)
     stats = {**run.stats, "parts": args.parts, "units": len(manifest.units),
+             "quant": manifest.options.quant.value,
              "stages": [[w.executor.first, w.executor.last] for w in pipeline.workers],
              "shard_seconds": round(shards.seconds, 3), "sharded_now": shards.exported}
     if args.json:

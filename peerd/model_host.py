@@ -6,7 +6,9 @@ never imports it. The child writes into the state directory's content-addressed 
 (`<state>/shards/<key>`), so a restart with the same model reuses the units at once. Its
 progress lines are logged as they come. Once done, every file of every unit (its model and its
 data file) is checked against the manifest's sha256 before it is served, so this peer never
-hands out a file that would fail verification on every receiver.
+hands out a file that would fail verification on every receiver. `--quant` of `peerd start`
+is passed on to the child: every peer runs the units this one makes, so they all run the same
+quantisation.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 from peerd.protocol import ManifestOffer
 from peerd.unit_store import file_sha256
-from shards.manifest import Manifest, ManifestError
+from shards.manifest import Manifest, ManifestError, Quant
 from shards.source import open_model
 
 log = logging.getLogger("peerd.model_host")
@@ -31,8 +33,9 @@ SHARDING, READY, FAILED = "sharding", "ready", "failed"
 
 
 class ModelHost:
-    def __init__(self, model_dir: Path, state_dir: Path):
+    def __init__(self, model_dir: Path, state_dir: Path, quant: Quant = Quant.NONE):
         self.model_dir = Path(model_dir)
+        self.quant = quant
         self.name = open_model(self.model_dir).name
         self._state_dir = Path(state_dir)
         self.state = SHARDING
@@ -56,9 +59,10 @@ class ModelHost:
         log.info("model %s ready: %s", self.name, self.detail)
 
     async def _shard(self) -> Path:
-        log.info("sharding model %s in a child process", self.model_dir)
+        log.info("sharding model %s (quant %s) in a child process", self.model_dir, self.quant)
         self._process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "peerd", "shard", str(self.model_dir), "--json",
+            "--quant", self.quant.value,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env={**os.environ, "PEERD_STATE_DIR": str(self._state_dir)},

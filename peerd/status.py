@@ -148,7 +148,8 @@ def _model_and_plan(
 ) -> list[str]:
     lines = []
     if model is not None:
-        size = f", {model['units']} units ({model['architecture']})" if model["units"] else ""
+        size = (f", {model['units']} units ({model['architecture']}), quant {model['quant']}"
+                if model["units"] else "")
         lines.append(f"model   {model['name']} on {names.get(model['peer'], model['peer'])}: "
                      f"{model['state']}{size}")
     if plan is None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shards.manifest import GRANULARITIES, MANIFEST_NAME, Manifest, ManifestError
+from shards.manifest import GRANULARITIES, MANIFEST_NAME, Manifest, ManifestError, Quant
 from shards.source import open_model
 
 _EXPORTER_PACKAGES = ("torch", "onnx", "onnxscript", "onnxruntime")
@@ -37,10 +37,11 @@ class ShardError(Exception):
 
 @dataclass(frozen=True)
 class ShardOptions:
-    int8: bool = False
+    quant: Quant = Quant.NONE
     granularity: str = "half"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "quant", Quant(self.quant))  # "int4" is Quant.INT4
         if self.granularity not in GRANULARITIES:
             raise ShardError(f"granularity must be one of {GRANULARITIES}")
 

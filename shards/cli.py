@@ -21,7 +21,7 @@ SHARDS_SUBDIR = "shards"
 
 
 def cmd_shard(args: argparse.Namespace) -> int:
-    result = shard_or_reuse(Path(args.model_dir), args.out, ShardOptions(int8=args.int8))
+    result = shard_or_reuse(Path(args.model_dir), args.out, ShardOptions(quant=args.quant))
     if args.json:
         print(json.dumps(summary(result), indent=1))
     else:
@@ -54,7 +54,8 @@ def summary(result: ShardResult) -> dict:
         "directory": str(result.directory),
         "key": manifest.key,
         "model": manifest.model.architecture,
-        "options": {"int8": manifest.options.int8, "granularity": manifest.options.granularity},
+        "options": {"quant": manifest.options.quant.value,
+                    "granularity": manifest.options.granularity},
         "units": [_unit_summary(manifest, u.index) for u in manifest.units],
         "stats": {
             "exported": result.exported,
@@ -95,7 +96,8 @@ def _unit_summary(manifest: Manifest, index: int) -> dict:
 def _print_table(result: ShardResult) -> None:
     manifest = result.manifest
     verb = "sharded" if result.exported else "already sharded"
-    print(f"{verb}: {len(manifest.units)} units in {result.directory}")
+    print(f"{verb}: {len(manifest.units)} units in {result.directory} "
+          f"(quant {manifest.options.quant.value})")
     header = ("unit", "name", "weights", "kv B/token", "decode MFLOP", "sends")
     print("{:>4}  {:<16} {:>10} {:>10} {:>12}  {}".format(*header))
     for unit in manifest.units:

@@ -3,10 +3,10 @@
 The model is built on the "meta" device and segmented (shards.segment); then, unit by unit,
 only that unit's weights are read from the model's source, the unit runs on example inputs
 (shards.examples) to learn its dynamic axes and costs, is exported with torch.onnx (the
-torch.export-based exporter), optionally int8-quantised, written as a model file and a data
-file (shards.onnx_file), and its weights are dropped again; the written unit is then loaded in
-ONNX Runtime and run on the example inputs (float32 units must match torch). The whole model
-is never in memory.
+torch.export-based exporter), optionally quantised (int8 or int4, shards.quantize), written
+as a model file and a data file (shards.onnx_file), and its weights are dropped again; the
+written unit is then loaded in ONNX Runtime and run on the example inputs (float32 units must
+match torch). The whole model is never in memory.
 `shards.cache.shard` decides whether there is anything to export.
 """
 
@@ -42,6 +42,7 @@ from shards.manifest import (
     Manifest,
     ModelInfo,
     Options,
+    Quant,
     StateSpec,
     Unit,
     UnitInput,
@@ -97,7 +98,7 @@ class _Exporter:
         manifest = Manifest(
             key=key,
             model=_model_info(self.config, source_sha256),
-            options=Options(int8=self.options.int8, granularity=self.options.granularity),
+            options=Options(quant=self.options.quant, granularity=self.options.granularity),
             return_bytes=RETURN_BYTES,
             units=tuple(units),
         )
@@ -121,12 +122,12 @@ class _Exporter:
             staged = _to_onnx(module, unit, runs, Path(scratch))
             del module
             _release(self.model, targets)
-            if self.options.int8:
-                staged = quantize_unit(staged)
+            if self.options.quant is not Quant.NONE:
+                staged = quantize_unit(staged, self.options.quant)
             written = write_unit(staged, self.directory, relative)
         result = self._manifest_unit(unit, written, runs, flops)
         _check(self.directory / relative, result, *runs[examples.EXPORT],
-               exact=not self.options.int8)
+               exact=self.options.quant is Quant.NONE)
         return result
 
     def _manifest_unit(self, unit: UnitGraph, written: WrittenUnit, runs: dict,

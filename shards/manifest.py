@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -20,6 +21,16 @@ REQUEST = -1
 GRANULARITIES = ("half", "layer")  # units are layer halves (attn, mlp) or whole layers
 MODEL_SUFFIX, DATA_SUFFIX = ".onnx", ".data"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class Quant(StrEnum):
+    """How a unit's weights are stored: float32, int8 (dynamic quantisation) or int4
+    (weight-only blocks). The one definition of the choices (`--quant`, the cache key, the
+    manifest's `options.quant`)."""
+
+    NONE = "none"
+    INT8 = "int8"
+    INT4 = "int4"
 
 
 class ManifestError(ValueError):
@@ -94,6 +105,11 @@ class Unit:
         return self.files[0]
 
     @property
+    def file_bytes(self) -> int:
+        """Bytes of all its files on disk (the data file's alignment padding included)."""
+        return sum(f.bytes for f in self.files)
+
+    @property
     def graph_inputs(self) -> tuple[str, ...]:
         """The ONNX graph's inputs: the unit's inputs, then its state inputs."""
         return tuple(i.name for i in self.inputs) + tuple(s.input for s in self.state)
@@ -124,7 +140,7 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class Options:
-    int8: bool
+    quant: Quant
     granularity: str
 
 
@@ -213,7 +229,7 @@ class Manifest:
             manifest = cls(
                 key=str(data["key"]),
                 model=_model_info(data["model"]),
-                options=Options(**data["options"]),
+                options=_options(data["options"]),
                 return_bytes=int(data["return_bytes"]),
                 units=tuple(_unit(u) for u in data["units"]),
             )
@@ -221,6 +237,10 @@ class Manifest:
             raise ManifestError(f"malformed manifest: {type(exc).__name__}: {exc}") from None
         _check_chain(manifest.units)
         return manifest
+
+
+def _options(data: dict[str, Any]) -> Options:
+    return Options(quant=Quant(data["quant"]), granularity=str(data["granularity"]))
 
 
 def _model_info(data: dict[str, Any]) -> ModelInfo:

@@ -19,6 +19,7 @@ import transformers
 
 from shards.cache import ShardOptions, ShardResult, shard
 from shards.cli import SHARDS_SUBDIR
+from shards.manifest import Quant
 
 
 @cache
@@ -29,9 +30,9 @@ def state_dir() -> Path:
 
 
 @cache
-def sharded(model_dir: Path, int8: bool = False, granularity: str = "half") -> ShardResult:
+def sharded(model_dir: Path, quant: Quant = Quant.NONE, granularity: str = "half") -> ShardResult:
     root = state_dir() / SHARDS_SUBDIR
-    return shard(model_dir, None, shard_root=root, options=ShardOptions(int8, granularity))
+    return shard(model_dir, None, shard_root=root, options=ShardOptions(quant, granularity))
 
 
 @cache

@@ -29,7 +29,7 @@ from peerd.coordinator import REPLAN_SETTLE_S
 from peerd.local_api import LocalApi
 from peerd.local_cluster import LocalCluster
 from shards.tokenizer import Tokenizer
-from tui.app import DashboardApp
+from tui.app import DashboardApp, summary_line
 from tui.source import DaemonSource, Feed
 from tui.widgets.chat import ChatPane
 from tui.widgets.events import EventLog, describe
@@ -228,6 +228,15 @@ def test_stage_bars_are_drawn_to_scale_and_never_vanish():
     assert bar(0, 4, 10, width=40) == (0, 20)
     assert bar(5, 9, 10, width=40) == (20, 40)
     assert bar(3, 3, 1000, width=40) == (0, 1)
+
+
+def test_the_summary_line_names_the_models_quantisation():
+    status = {"name": "desk", "role": "leader", "cluster": "c0ffee", "leader": "aaaa",
+              "epoch": 2, "peers": [{"id": "aaaa", "name": "desk", "state": "alive"}],
+              "model": {"name": "m", "peer": "aaaa", "state": "ready", "quant": "int4"}}
+    assert summary_line(status).plain.endswith("· model m on desk: ready, quant int4")
+    sharding = {**status["model"], "state": "sharding", "quant": None}
+    assert summary_line({**status, "model": sharding}).plain.endswith(": sharding")
 
 
 @pytest.mark.cluster

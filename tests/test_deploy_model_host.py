@@ -10,18 +10,21 @@ import sys
 from pathlib import Path
 
 import pytest
+from daemon_objects import unstarted_daemon
 from sharding import sharded
 
+from peerd.cli import build_parser
+from peerd.daemon import options_from_args
 from peerd.model_host import ModelHost
 from peerd.protocol import UnitChunk, UnitChunkRequest
 from peerd.unit_transfer import ChunkServer
-from shards.manifest import Manifest
+from shards.manifest import Manifest, Quant
 
 
 @pytest.mark.slow
 async def test_the_model_is_sharded_in_a_child_process_and_offered(hf_checkpoint, tmp_path,
                                                                    caplog):
-    host = ModelHost(hf_checkpoint("llama"), tmp_path)
+    host = ModelHost(hf_checkpoint("llama"), tmp_path, Quant.INT4)
     assert host.offer(1, None).state == "sharding"
     with caplog.at_level(logging.INFO, "peerd.model_host"):
         await host.run()
@@ -30,6 +33,7 @@ async def test_the_model_is_sharded_in_a_child_process_and_offered(hf_checkpoint
 
     manifest = host.manifest
     assert manifest == Manifest.load(tmp_path / "shards" / manifest.key)
+    assert manifest.options.quant is Quant.INT4, "the child was asked for --quant int4"
     offer = host.offer(7, None)
     assert (offer.req, offer.state, offer.key) == (7, "ready", manifest.key)
     assert Manifest.from_dict(offer.manifest) == manifest
@@ -59,6 +63,15 @@ async def test_a_corrupted_data_file_in_the_shard_cache_is_refused_in_one_line(
     assert (host.state, host.files, host.manifest) == ("failed", {}, None)
     assert host.detail == (f"unit head: {cached / data.name} does not match its manifest "
                            f"(remove {cached} to shard the model again)")
+
+
+@pytest.mark.parametrize(("flags", "quant"), [
+    ((), Quant.NONE), (("--quant", "int4"), Quant.INT4), (("--int8",), Quant.INT8)])
+async def test_peerd_start_hands_its_quant_to_the_model_host(tmp_path, flags, quant):
+    args = build_parser().parse_args(
+        ["start", "--state-dir", str(tmp_path), "--model", str(tmp_path), *flags])
+    async with unstarted_daemon(tmp_path, options_from_args(args)) as daemon:
+        assert daemon.model_host.quant is quant
 
 
 async def test_a_model_that_cannot_be_sharded_is_reported_not_raised(tmp_path):

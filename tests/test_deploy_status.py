@@ -44,9 +44,9 @@ async def test_a_plan_shows_its_stages_prediction_and_the_model(tmp_path: Path):
     }
     assert document["model"] == {"name": "toy", "peer": "bbbb", "state": "ready",
                                  "detail": "3 units", "architecture": "Toy", "units": 3,
-                                 "key": "toy"}
+                                 "key": "toy", "quant": "none"}
     text = status.render(document)
-    assert "model   toy on bbbb: ready, 3 units (Toy)" in text
+    assert "model   toy on bbbb: ready, 3 units (Toy), quant none" in text
     assert "plan    5 of epoch 2 (throughput, milp): predicted 310.0 tokens/s, 4.20 ms" in text
     assert "units 0-1 on bbbb" in text and "units 2-2 on cccc" in text
 

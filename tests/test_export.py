@@ -1,8 +1,9 @@
-"""ONNX export: files, dynamic axes (P = 0 included), unit costs, caching, int8."""
+"""ONNX export: files, dynamic axes (P = 0 included), unit costs, caching, int8, int4."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 
@@ -14,10 +15,12 @@ import torch
 from sharding import reference, sharded
 
 from peerd.generate import build_pipeline, generate
+from planner.io import workload_from_dict
 from shards import cache
 from shards.cache import ShardError, ShardOptions, shard
 from shards.checkpoint import load_model
 from shards.executor import StageExecutor
+from shards.manifest import MANIFEST_NAME, Quant
 from shards.sampling import SamplingParams
 from shards.segment import segment
 
@@ -148,7 +151,8 @@ def test_key_follows_options_and_weights(llama, hf_checkpoint):
     model_dir, result = llama
     source = cache.source_digest(model_dir)
     assert cache.shard_key(source, ShardOptions()) == result.manifest.key
-    assert cache.shard_key(source, ShardOptions(int8=True)) != result.manifest.key
+    keys = {cache.shard_key(source, ShardOptions(quant)) for quant in Quant}
+    assert result.manifest.key in keys and len(keys) == len(Quant)
     other = cache.source_digest(hf_checkpoint("llama", seed=1))
     assert cache.shard_key(other, ShardOptions()) != result.manifest.key
 
@@ -174,8 +178,8 @@ def test_sharded_bfloat16_checkpoint_generates_like_transformers(hf_checkpoint):
 @pytest.mark.slow
 def test_int8_units_are_smaller_and_mostly_agree_with_float32(llama):
     model_dir, fp32 = llama
-    int8 = sharded(model_dir, int8=True)
-    assert int8.manifest.options.int8 and int8.manifest.key != fp32.manifest.key
+    int8 = sharded(model_dir, Quant.INT8)
+    assert int8.manifest.options.quant is Quant.INT8 and int8.manifest.key != fp32.manifest.key
     for small, full in zip(int8.manifest.units, fp32.manifest.units, strict=True):
         assert small.weight_bytes < 0.35 * full.weight_bytes
     prompt = [1, 17, 42, 99, 7]
@@ -184,8 +188,29 @@ def test_int8_units_are_smaller_and_mostly_agree_with_float32(llama):
     sequence = np.array([prompt + run.token_ids[:-1]])
     top1 = []
     for result in (fp32, int8):
-        stage = StageExecutor(result.manifest, result.directory, 0, len(result.manifest.units) - 1)
-        step = {"input_ids": sequence, "position_ids": np.arange(sequence.shape[1])[None]}
-        top1.append(stage.step("s", step)["logits"][0, len(prompt) - 1 :].argmax(-1))
+        top1.append(_teacher_forced(result, sequence)[len(prompt) - 1 :].argmax(-1))
     assert (top1[0] == run.token_ids).all()
     assert (top1[0] == top1[1]).mean() > 0.7
+
+
+def _teacher_forced(result, sequence: np.ndarray) -> np.ndarray:
+    stage = StageExecutor(result.manifest, result.directory, 0, len(result.manifest.units) - 1)
+    step = {"input_ids": sequence, "position_ids": np.arange(sequence.shape[1])[None]}
+    return stage.step("s", step)["logits"][0]
+
+
+def test_int4_units_hold_under_a_sixth_of_the_bytes_and_the_planner_budgets_those(llama):
+    """Symmetric blocks of 32 cost 0.5 + 4/32 bytes per 4 bytes of float32 (0.156x); the
+    norms stay float32 (up to 1.5% of a unit of this small model, whose matrices dominate)."""
+    model_dir, fp32 = llama
+    int4 = sharded(model_dir, Quant.INT4)
+    assert int4.manifest.options.quant is Quant.INT4 and int4.manifest.key != fp32.manifest.key
+    for small, full in zip(int4.manifest.units, fp32.manifest.units, strict=True):
+        assert 0.156 * full.weight_bytes <= small.weight_bytes <= 0.17 * full.weight_bytes
+        assert small.weight_bytes < small.file_bytes
+    total = [sum(u.weight_bytes for u in r.manifest.units) for r in (int4, fp32)]
+    assert total[0] <= 0.16 * total[1]
+    workload = workload_from_dict(json.loads((int4.directory / MANIFEST_NAME).read_text()))
+    assert [u.weight_bytes for u in workload.units] == [
+        u.weight_bytes for u in int4.manifest.units]
+

@@ -11,6 +11,7 @@ import pytest
 from sharding import reference, sharded, state_dir
 
 from peerd.generate import build_pipeline, generate
+from shards.manifest import Quant
 from shards.sampling import SamplingParams
 from shards.tokenizer import Tokenizer
 
@@ -91,11 +92,36 @@ def test_text_prompt_without_a_tokenizer_is_refused_before_any_work(hf_checkpoin
     assert done.returncode == 1 and "no tokenizer" in done.stderr
 
 
-def test_int8_generation_uses_the_int8_units(hf_checkpoint):
+@pytest.mark.parametrize("flags", [("--int8",), ("--quant", "int8"), ("--quant", "int8", "--int8")])
+def test_int8_generation_uses_the_int8_units(hf_checkpoint, flags):
     model_dir = hf_checkpoint("llama")
-    int8 = sharded(model_dir, int8=True)
-    out = _generate_json(model_dir, "--prompt-ids", "1,2,3", "--int8", "--parts", "2",
+    int8 = sharded(model_dir, Quant.INT8)
+    out = _generate_json(model_dir, "--prompt-ids", "1,2,3", *flags, "--parts", "2",
                          "--max-tokens", "16")
     pipeline = build_pipeline(int8.manifest, int8.directory, 1)
     expected = generate(pipeline, int8.manifest, [1, 2, 3], 16, SamplingParams()).token_ids
     assert out["token_ids"] == expected and not out["stats"]["sharded_now"]
+    assert out["stats"]["quant"] == "int8"
+
+
+def test_int4_generation_is_the_same_at_any_split(hf_checkpoint):
+    """Every split runs the same int4 units with the same arithmetic: the same tokens."""
+    model_dir = hf_checkpoint("llama")
+    sharded(model_dir, Quant.INT4)
+    ids = ",".join(map(str, PROMPT))
+    runs = [_generate_json(model_dir, "--prompt-ids", ids, "--quant", "int4", "--parts", parts,
+                           "--max-tokens", "40")
+            for parts in ("1", "2", "3")]
+    assert runs[0]["token_ids"] == runs[1]["token_ids"] == runs[2]["token_ids"]
+    assert {r["stats"]["quant"] for r in runs} == {"int4"}
+    assert [len(r["stats"]["stages"]) for r in runs] == [1, 2, 3]
+    float32, _ = reference(model_dir, PROMPT, 40, stop_at_eos=True)
+    assert runs[0]["token_ids"] != float32, "these are the int4 units, not float32's"
+
+
+@pytest.mark.parametrize("command", ["generate", "shard", "start"])
+def test_quant_int4_with_the_int8_alias_is_a_usage_error(hf_checkpoint, command):
+    model = ["--model", "m"] if command == "start" else ["m"]
+    done = _peerd(command, *model, "--quant", "int4", "--int8")
+    assert done.returncode == 2
+    assert "error: --int8 conflicts with --quant int4" in done.stderr

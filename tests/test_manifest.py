@@ -8,7 +8,7 @@ import json
 import pytest
 from sharding import sharded
 
-from shards.manifest import MANIFEST_NAME, Manifest, ManifestError
+from shards.manifest import MANIFEST_NAME, Manifest, ManifestError, Options, Quant
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +86,20 @@ def test_a_unit_is_its_model_then_data_files_named_by_their_sha256(bloom):
         with pytest.raises(ManifestError, match=f"unit head: .*{reason}"):
             Manifest.from_dict(dataclasses.replace(bloom.manifest, units=units).to_dict())
     assert len(bloom.manifest.files()) == sum(len(u.files) for u in bloom.manifest.units)
+
+
+@pytest.mark.parametrize(("options", "quant"), [
+    ({"quant": "int4", "granularity": "half"}, Quant.INT4),
+    ({"quant": "int8", "granularity": "half"}, Quant.INT8),
+    ({"quant": "none", "granularity": "half"}, Quant.NONE),
+])
+def test_options_name_the_quantisation(bloom, options, quant):
+    manifest = Manifest.from_dict({**bloom.manifest.to_dict(), "options": options})
+    assert manifest.options == Options(quant, "half")
+    assert manifest.to_dict()["options"] == {"quant": quant.value, "granularity": "half"}
+
+
+def test_an_unknown_quantisation_is_refused(bloom):
+    data = {**bloom.manifest.to_dict(), "options": {"quant": "int3", "granularity": "half"}}
+    with pytest.raises(ManifestError, match="malformed manifest: ValueError: 'int3'"):
+        Manifest.from_dict(data)

@@ -49,8 +49,8 @@ def manifest() -> dict:
             "flops_per_token": {"prefill": 3 * unit["flops"], "decode": unit["flops"]},
             "weight_bytes": unit["weight_bytes"], "kv_bytes_per_token": unit["kv_bytes_per_token"],
         })
-    return {"format": 2, "model": {"architecture": "llama"}, "options": {"int8": False},
-            "return_bytes": 8, "units": units}
+    return {"format": 2, "model": {"architecture": "llama"},
+            "options": {"quant": "none", "granularity": "half"}, "return_bytes": 8, "units": units}
 
 
 def test_cluster_fields_and_defaults():

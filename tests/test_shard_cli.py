@@ -13,6 +13,7 @@ from sharding import sharded, state_dir
 
 from peerd.cli import main
 from shards import export
+from shards.manifest import Quant
 
 
 def _peerd(*args: str, state: str | None = None) -> subprocess.CompletedProcess:
@@ -47,8 +48,19 @@ def test_default_output_is_the_state_directory_shard_cache(hf_checkpoint):
     result = sharded(hf_checkpoint("llama"))
     done = _peerd("shard", str(hf_checkpoint("llama")))
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"already sharded: 6 units in {result.directory}\n")
+    assert done.stdout.startswith(f"already sharded: 6 units in {result.directory} (quant none)\n")
     assert result.directory.parent == state_dir() / "shards"
+
+
+def test_quant_picks_the_units_and_the_summary_names_it(hf_checkpoint):
+    int4 = sharded(hf_checkpoint("llama"), Quant.INT4)
+    done = _peerd("shard", str(hf_checkpoint("llama")), "--quant", "int4", "--json")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["directory"] == str(int4.directory) and not summary["stats"]["exported"]
+    assert summary["options"] == {"quant": "int4", "granularity": "half"}
+    assert summary["stats"]["total_weight_bytes"] == sum(
+        u.weight_bytes for u in int4.manifest.units)
 
 
 def test_unsupported_or_missing_models_get_one_line_errors(hf_checkpoint, tmp_path):

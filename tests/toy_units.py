@@ -24,6 +24,7 @@ from shards.manifest import (
     Manifest,
     ModelInfo,
     Options,
+    Quant,
     StateSpec,
     Unit,
     UnitInput,
@@ -74,7 +75,8 @@ def write_toy(directory: Path, model: ToyModel) -> Manifest:
         )
     info = ModelInfo("Toy", VOCAB, 1, HIDDEN, 64, (), None, "0" * 64)
     return Manifest(
-        key="toy", model=info, options=Options(False, "half"), return_bytes=8, units=tuple(units)
+        key="toy", model=info, options=Options(Quant.NONE, "half"), return_bytes=8,
+        units=tuple(units),
     )
 
 

@@ -163,6 +163,8 @@ def summary_line(status: dict[str, Any]) -> Text:
     if model:
         text.append(f" · model {model['name']} on {name_of(model['peer'], known)}: "
                     f"{model['state']}")
+        if model.get("quant"):
+            text.append(f", quant {model['quant']}")
     return text
 
 

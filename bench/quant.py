@@ -1,0 +1,163 @@
+"""Quantised units against float32, measured side by side in one run: bytes, speed, agreement.
+
+One random Llama of a small home LLM's proportions (default 24 layers, hidden 1024, vocab
+32000, the shape of bench.pipeline; weights drawn like a freshly initialised model, normal
+with std 0.02, by bench.llama_checkpoint) is sharded three times with the real CLI:
+`--quant none`, `int8` and `int4`. Then:
+
+1. the units' weight bytes (what the planner budgets memory by) and file bytes per quant,
+   and their ratio to float32 (target for int4: <= 0.16);
+2. decode tokens/s of the whole model in one process (`peerd generate --parts 1`'s path),
+   the three quantisations taking turns, one answer each per round, so load from other
+   processes hits all alike; the best and the median over the rounds, and the ratio to
+   float32 (target for int4: >= 3);
+3. against float32, teacher-forced on float32's own greedy sequence of `--agreement-tokens`
+   tokens: how often the quantised model's top-1 token is float32's, and the mean KL
+   divergence KL(float32 || quantised) of the next-token distributions, in nats.
+
+What random weights can and cannot show. They show that the quantised units compute the same
+function as float32 up to quantisation noise: agreement far above chance (1 / vocab), int4
+noisier than int8, and the size of that noise against the spread of the logits. They cannot
+show how a trained model fares. Trained weights have outlier channels that a single int8
+scale per tensor or one scale per 32 values handles differently from Gaussian draws, and a
+trained model's next-token distribution is peaked, with large top-1 margins: a random
+model's logits are nearly flat (the float32 top-2 margin is printed), so its top-1 flips at
+the slightest noise, which makes the agreement here a pessimistic figure, while the KL of
+two nearly flat distributions is small in absolute terms and not comparable with the
+published perplexity costs of quantising real models.
+
+The model and its units are kept under `--dir`, so a rerun with the same directory skips
+writing and sharding them.
+
+    .venv/bin/python -m bench.quant [--dir DIR] [--tokens 64] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from bench.llama_checkpoint import LlamaShape, write_llama
+from bench.shards import onnx_runner, round_robin, shard_units
+from peerd.generate import build_pipeline, generate
+from shards.cache import ShardResult
+from shards.executor import StageExecutor
+from shards.manifest import Quant
+from shards.sampling import SamplingParams
+
+PROMPT = [1, 17, 42, 99, 7, 250, 31, 64]
+BYTES_TARGET, SPEED_TARGET = 0.16, 3.0  # int4 against float32
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    if args.dir:
+        _bench(Path(args.dir), args)
+        return
+    with tempfile.TemporaryDirectory(prefix="peerd-bench-") as root:
+        _bench(Path(root), args)
+
+
+def _bench(root: Path, args: argparse.Namespace) -> None:
+    shape = LlamaShape(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads)
+    model_dir = root / f"llama-{shape.layers}x{shape.hidden}"
+    if not (model_dir / "config.json").exists():  # written last: its presence means complete
+        print(f"writing a random Llama checkpoint: {shape}", file=sys.stderr, flush=True)
+        write_llama(model_dir, shape)
+    print(f"model: {shape}, float32, std 0.02")
+    results = {quant: shard_units(model_dir, root, quant) for quant in Quant}
+    _bytes(results)
+    _speed(results, args.tokens, args.repeats)
+    _agreement(results, args.agreement_tokens)
+
+
+def _bytes(results: dict[Quant, ShardResult]) -> None:
+    weights = {q: sum(u.weight_bytes for u in r.manifest.units) for q, r in results.items()}
+    files = {q: sum(u.file_bytes for u in r.manifest.units) for q, r in results.items()}
+    largest = {q: max(u.weight_bytes for u in r.manifest.units) for q, r in results.items()}
+    print("\nunit bytes        weights   ratio      files   ratio   largest unit")
+    for quant in results:
+        print(f"  {quant.value:<8} {weights[quant] / 1e6:9.1f} MB  {_ratio(weights, quant)}  "
+              f"{files[quant] / 1e6:9.1f} MB  {_ratio(files, quant)}  "
+              f"{largest[quant] / 1e6:9.1f} MB")
+    verdict = "meets" if weights[Quant.INT4] <= BYTES_TARGET * weights[Quant.NONE] else "MISSES"
+    print(f"  int4 weights / float32 (target <= {BYTES_TARGET}): {verdict}")
+
+
+def _ratio(values: dict[Quant, float], quant: Quant) -> str:
+    return f"x{values[quant] / values[Quant.NONE]:.3f}"
+
+
+def _speed(results: dict[Quant, ShardResult], tokens: int, repeats: int) -> None:
+    runners = {q: onnx_runner(r, 1, PROMPT, tokens) for q, r in results.items()}
+    for runner in runners.values():  # first runs allocate and fault in the weights
+        runner()
+    best = round_robin(runners, repeats)
+    base = best[Quant.NONE]
+    print(f"\ndecode, one process, {tokens} tokens, {repeats} rounds taking turns")
+    for quant, run in best.items():
+        print(f"  {quant.value:<8} {run['decode_tps']:7.1f} tokens/s best "
+              f"(x{run['decode_tps'] / base['decode_tps']:.2f}), "
+              f"{run['decode_tps_median']:7.1f} median "
+              f"(x{run['decode_tps_median'] / base['decode_tps_median']:.2f})")
+    ratio = best[Quant.INT4]["decode_tps_median"] / base["decode_tps_median"]
+    verdict = "meets" if ratio >= SPEED_TARGET else "MISSES"
+    print(f"  int4 / float32 median (target >= {SPEED_TARGET}): {ratio:.2f}, {verdict}")
+
+
+def _agreement(results: dict[Quant, ShardResult], count: int) -> None:
+    fp32 = results[Quant.NONE]
+    reference = generate(build_pipeline(fp32.manifest, fp32.directory, 1), fp32.manifest,
+                         PROMPT, count, SamplingParams(), stop_at_eos=False).token_ids
+    sequence = [*PROMPT, *reference[:-1]]
+    logits = {q: _teacher_forced(r, sequence)[len(PROMPT) - 1 :] for q, r in results.items()}
+    base = logits[Quant.NONE]
+    top2 = np.sort(base, axis=-1)[:, -2:]
+    print(f"\nagreement with float32 over {count} tokens, teacher-forced on its greedy sequence"
+          f" (float32 top-2 logit margin: median {np.median(top2[:, 1] - top2[:, 0]):.4f}, "
+          f"logit std {base.std(axis=-1).mean():.4f})")
+    for quant in (Quant.INT8, Quant.INT4):
+        agree = (logits[quant].argmax(-1) == base.argmax(-1)).mean()
+        print(f"  {quant.value:<8} top-1 {agree:.3f}   mean KL {_kl(base, logits[quant]):.5f} nats")
+
+
+def _teacher_forced(result: ShardResult, sequence: list[int]) -> np.ndarray:
+    """The logits of every position, in one prefill step over the whole sequence."""
+    manifest = result.manifest
+    stage = StageExecutor(manifest, result.directory, 0, len(manifest.units) - 1)
+    ids = np.array([sequence])
+    step = {"input_ids": ids, "position_ids": np.arange(ids.shape[1])[None]}
+    return stage.step("s", step)["logits"][0].astype(np.float64)
+
+
+def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
+    log_p, log_q = _log_softmax(p_logits), _log_softmax(q_logits)
+    return float((np.exp(log_p) * (log_p - log_q)).sum(-1).mean())
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", help="working directory, kept and reused by later runs "
+                        "(default: a temporary one, removed at the end)")
+    parser.add_argument("--tokens", type=int, default=64, help="decode tokens per answer")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds (best and median)")
+    parser.add_argument("--agreement-tokens", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    return parser
+
+
+if __name__ == "__main__":
+    main()
