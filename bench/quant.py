@@ -26,10 +26,12 @@ the slightest noise, which makes the agreement here a pessimistic figure, while 
 two nearly flat distributions is small in absolute terms and not comparable with the
 published perplexity costs of quantising real models.
 
-The model and its units are kept under `--dir`, so a rerun with the same directory skips
-writing and sharding them.
+`--model` measures a given checkpoint directory or GGUF file instead (its units are made from
+it as `peerd shard` makes them). The model and its units are kept under `--dir`, so a rerun
+with the same directory skips writing and sharding them.
 
-    .venv/bin/python -m bench.quant [--dir DIR] [--tokens 64] [--repeats 5]
+    .venv/bin/python -m bench.quant [--dir DIR] [--model DIR|FILE.gguf] [--tokens 64]
+        [--repeats 5]
 """
 
 from __future__ import annotations
@@ -63,16 +65,21 @@ def main() -> None:
 
 
 def _bench(root: Path, args: argparse.Namespace) -> None:
+    model = Path(args.model) if args.model else _random_model(root, args)
+    results = {quant: shard_units(model, root, quant) for quant in Quant}
+    _bytes(results)
+    _speed(results, args.tokens, args.repeats)
+    _agreement(results, args.agreement_tokens)
+
+
+def _random_model(root: Path, args: argparse.Namespace) -> Path:
     shape = LlamaShape(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads)
     model_dir = root / f"llama-{shape.layers}x{shape.hidden}"
     if not (model_dir / "config.json").exists():  # written last: its presence means complete
         print(f"writing a random Llama checkpoint: {shape}", file=sys.stderr, flush=True)
         write_llama(model_dir, shape)
     print(f"model: {shape}, float32, std 0.02")
-    results = {quant: shard_units(model_dir, root, quant) for quant in Quant}
-    _bytes(results)
-    _speed(results, args.tokens, args.repeats)
-    _agreement(results, args.agreement_tokens)
+    return model_dir
 
 
 def _bytes(results: dict[Quant, ShardResult]) -> None:
@@ -148,6 +155,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", help="working directory, kept and reused by later runs "
                         "(default: a temporary one, removed at the end)")
+    parser.add_argument("--model", help="a checkpoint directory or GGUF file to measure "
+                        "(default: a random Llama of the shape below)")
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens per answer")
     parser.add_argument("--repeats", type=int, default=5, help="rounds (best and median)")
     parser.add_argument("--agreement-tokens", type=int, default=256)

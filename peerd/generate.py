@@ -26,7 +26,7 @@ from shards.errors import ModelError, NoTokenizer
 from shards.executor import StageExecutor
 from shards.manifest import Manifest
 from shards.sampling import SamplingParams
-from shards.tokenizer import Tokenizer
+from shards.tokenizer import TextStream, Tokenizer
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -155,9 +155,13 @@ def _prompt_ids(args: argparse.Namespace, model_dir: Path) -> list[int]:
 
 
 def _decode(model_dir: Path, token_ids: list[int]) -> str:
+    """The answer's text as the daemon streams it (shards.tokenizer.TextStream)."""
     try:
-        return Tokenizer.from_model(model_dir).decode(token_ids)
+        text = TextStream(Tokenizer.from_model(model_dir))
     except NoTokenizer:
         return ""
     except ModelError as exc:
         raise PeerdError(str(exc)) from None
+    for token in token_ids:
+        text.add(token)
+    return text.text

@@ -45,7 +45,7 @@ from peerd.transport import Transport, TransportError
 from shards.errors import ModelError, NoTokenizer
 from shards.manifest import Manifest
 from shards.sampling import SamplingParams
-from shards.tokenizer import Tokenizer
+from shards.tokenizer import TextStream, Tokenizer
 
 log = logging.getLogger("peerd.serving")
 
@@ -125,36 +125,6 @@ def _token_ids(value: Any) -> bool:
     )
 
 
-class TextStream:
-    """Text of the tokens so far, handed out in pieces as tokens arrive.
-
-    A token may end in the middle of a multi-byte character; its piece is held back until
-    the character is complete, so every piece is valid text.
-    """
-
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
-        self._tokenizer = tokenizer
-        self._tokens: list[int] = []
-        self.text = ""
-
-    def add(self, token: int) -> str:
-        self._tokens.append(token)
-        if self._tokenizer is None:
-            return ""
-        text = self._tokenizer.decode(self._tokens)
-        if text.endswith("\ufffd"):
-            return ""
-        piece, self.text = text[len(self.text) :], text
-        return piece
-
-    def finish(self) -> str:
-        """The whole answer's text, a character cut short at its end included (as U+FFFD,
-        which is what its tokens decode to)."""
-        if self._tokenizer is not None:
-            self.text = self._tokenizer.decode(self._tokens)
-        return self.text
-
-
 @dataclass(frozen=True)
 class Head:
     """What the head needs to answer: its answers and the model's tokenizer and limits."""
@@ -216,7 +186,7 @@ class ChatService:
             generation.cancel()
         stats = _stats(answered, len(prompt), started, token_times)
         await send({"event": "done", "ok": True, "token_ids": answered.tokens,
-                    "text": text.finish(), "stats": stats})
+                    "text": text.text, "stats": stats})
 
     def _prompt_ids(self, head: Head, body: ChatBody) -> list[int]:
         if body.prompt_ids is not None:

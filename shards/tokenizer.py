@@ -184,3 +184,28 @@ def _compile(template: str) -> jinja2.Template:
         return env.from_string(template)
     except jinja2.TemplateError as exc:
         raise ModelError(f"bad chat template: {exc}") from None
+
+
+class TextStream:
+    """Text of the tokens so far, handed out in pieces as tokens arrive.
+
+    A token may end in the middle of a multi-byte character; its piece is held back until
+    the character is complete, so every piece is valid text, and `text` is what was handed
+    out: an answer that ends inside a character ends before it, wherever it is read (the
+    daemon's stream, `peerd chat --json`, `peerd generate`).
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self._tokenizer = tokenizer
+        self._tokens: list[int] = []
+        self.text = ""
+
+    def add(self, token: int) -> str:
+        self._tokens.append(token)
+        if self._tokenizer is None:
+            return ""
+        text = self._tokenizer.decode(self._tokens)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.text = text[len(self.text) :], text
+        return piece

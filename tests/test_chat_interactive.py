@@ -27,9 +27,8 @@ from sharding import reference, sharded
 
 from peerd.chat import PROMPT, STOPPED
 from peerd.local_cluster import LocalCluster
-from peerd.serving import TextStream
 from shards.cli import SHARDS_SUBDIR
-from shards.tokenizer import Tokenizer
+from shards.tokenizer import TextStream, Tokenizer
 
 PEERD = [sys.executable, "-m", "peerd"]
 SHORT, LONG = 24, 2000  # new tokens: turns compared with transformers; the answer stopped

@@ -55,7 +55,9 @@ def test_text_prompt_goes_through_the_chat_template(hf_checkpoint):
     ids = ",".join(map(str, tokenizer.prompt_ids("hello world")))
     by_ids = _generate_json(model_dir, "--prompt-ids", ids, "--max-tokens", "8")
     assert by_text["token_ids"] == by_ids["token_ids"]
-    assert by_text["text"] == tokenizer.decode(by_text["token_ids"])
+    whole = tokenizer.decode(by_text["token_ids"])  # an answer cut inside a character
+    assert whole.startswith(by_text["text"])        # ends before it, as the daemon streams
+    assert set(whole[len(by_text["text"]):]) <= {"\ufffd"}
 
 
 def test_seeded_sampling_from_the_cli_repeats_at_any_split(hf_checkpoint):

@@ -244,7 +244,7 @@ async def test_a_peer_started_with_a_gguf_file_serves_its_units(gguf_file):
     await host.run()
     assert host.state == "ready", host.detail
     assert host.manifest.model.source_sha256 == open_model(path).digest()
-    assert set(host.files) == {unit.sha256 for unit in host.manifest.units}
+    assert set(host.files) == {f.sha256 for f in host.manifest.files()}
 
 
 # -- the source seam ---------------------------------------------------------------------------
