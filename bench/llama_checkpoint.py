@@ -9,6 +9,7 @@ a freshly initialised model (normal, std 0.02; norms at 1). No tokenizer is writ
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,16 @@ class LlamaShape:
     heads: int
     kv_heads: int
     vocab: int = 32000
+
+
+def reusable_llama(root: Path, shape: LlamaShape, note: Callable[[str], None]) -> Path:
+    """The random Llama of `shape` under `root`, written unless an earlier run left it there
+    (config.json is written last: its presence means the checkpoint is complete)."""
+    model_dir = Path(root) / f"llama-{shape.layers}x{shape.hidden}"
+    if not (model_dir / "config.json").exists():
+        note(f"writing a random Llama checkpoint: {shape}")
+        write_llama(model_dir, shape)
+    return model_dir
 
 
 def write_llama(directory: Path, shape: LlamaShape, dtype: str = "float32", seed: int = 0) -> Path:

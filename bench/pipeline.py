@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.llama_checkpoint import LlamaShape, write_llama
+from bench.llama_checkpoint import LlamaShape, reusable_llama
 from peerd.chat import stream_answer
 from peerd.generate import build_pipeline, generate
 from peerd.local_cluster import LocalCluster
@@ -112,10 +112,7 @@ def _model(root: Path, args: argparse.Namespace) -> tuple[Path, str]:
     if args.small:
         return write_builtin_model(root / "builtin-model"), "built-in, 8 layers, hidden 256"
     shape = LlamaShape(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads)
-    model_dir = root / f"llama-{shape.layers}x{shape.hidden}"
-    if not (model_dir / "config.json").exists():  # written last: its presence means complete
-        _note(f"writing a random Llama checkpoint: {shape}")
-        write_llama(model_dir, shape)
+    model_dir = reusable_llama(root, shape, _note)
     return model_dir, (f"random Llama, {shape.layers} layers, hidden {shape.hidden}, "
                        f"intermediate {shape.intermediate}, {shape.heads} heads "
                        f"({shape.kv_heads} K/V), vocab {shape.vocab}, float32")

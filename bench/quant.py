@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.llama_checkpoint import LlamaShape, write_llama
+from bench.llama_checkpoint import LlamaShape, reusable_llama
 from bench.shards import onnx_runner, round_robin, shard_units
 from peerd.generate import build_pipeline, generate
 from shards.cache import ShardResult
@@ -74,10 +74,7 @@ def _bench(root: Path, args: argparse.Namespace) -> None:
 
 def _random_model(root: Path, args: argparse.Namespace) -> Path:
     shape = LlamaShape(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads)
-    model_dir = root / f"llama-{shape.layers}x{shape.hidden}"
-    if not (model_dir / "config.json").exists():  # written last: its presence means complete
-        print(f"writing a random Llama checkpoint: {shape}", file=sys.stderr, flush=True)
-        write_llama(model_dir, shape)
+    model_dir = reusable_llama(root, shape, lambda line: print(line, file=sys.stderr, flush=True))
     print(f"model: {shape}, float32, std 0.02")
     return model_dir
 

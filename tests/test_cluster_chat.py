@@ -18,6 +18,7 @@ import time
 import netns
 import pytest
 from sharding import reference
+from streaming import head_of
 
 from shards.manifest import Manifest
 
@@ -40,12 +41,8 @@ def cluster(request, hf_checkpoint, tmp_path_factory):
         netns.wait_for(lambda: netns.sharded_model(peers[0]), SHARDED_S, "the model sharded")
         plan = netns.wait_for(lambda: netns.deployed_plan(peers), DEPLOYED_S, "a deployed plan")
         assert len(plan["stages"]) >= 2
-        netns.wait_for(lambda: _serving(peers), DEPLOYED_S, "the head to accept chats")
+        netns.wait_for(lambda: head_of(peers), DEPLOYED_S, "the head to accept chats")
         yield model_dir, peers
-
-
-def _serving(peers) -> bool:
-    return any((p.status() or {}).get("dataplane", {}).get("head") for p in peers)
 
 
 def _chat(peer: netns.Peer, prompt: list[int], *extra: str) -> list[str]:

@@ -16,6 +16,7 @@ import subprocess
 import netns
 import pytest
 from gguf_files import write_gguf
+from streaming import head_of
 
 pytestmark = [pytest.mark.cluster, netns.needs_namespaces]
 
@@ -36,12 +37,8 @@ def gguf_cluster(hf_checkpoint, tmp_path_factory):
         netns.wait_for(lambda: netns.sharded_model(peers[0]), SHARDED_S, "the model sharded")
         plan = netns.wait_for(lambda: netns.deployed_plan(peers), DEPLOYED_S, "a deployed plan")
         assert len(plan["stages"]) >= 2
-        netns.wait_for(lambda: _serving(peers), DEPLOYED_S, "the head to accept chats")
+        netns.wait_for(lambda: head_of(peers), DEPLOYED_S, "the head to accept chats")
         yield path, peers
-
-
-def _serving(peers) -> bool:
-    return any((p.status() or {}).get("dataplane", {}).get("head") for p in peers)
 
 
 def _run(*args: str, env: dict | None = None) -> dict:
