@@ -87,3 +87,22 @@ def serving_plan(peers: list[netns.Peer]) -> dict | None:
     plan = netns.deployed_plan(peers)
     heads = [(p.status() or {}).get("dataplane", {}).get("head") for p in peers]
     return plan if plan and any(heads) else None
+
+
+SHARDED_S, DEPLOYED_S = 240, 90
+
+
+@contextlib.contextmanager
+def split_cluster(root: Path, model: Path, budget: str):
+    """Three namespaced daemons, the model (a directory or GGUF file) on the first, each
+    offering `budget` of memory so that no one holds it: yields the peers once the model is
+    sharded, a plan of two or more stages is deployed and its head accepts chats."""
+    dirs = netns.make_state_dirs(root, 3)
+    args = {i: ["--memory-budget", budget] for i in range(3)}
+    args[0] += ["--model", str(model)]
+    with netns.cluster(dirs, args) as (_, peers), netns.logs_on_failure(peers):
+        netns.wait_for(lambda: netns.sharded_model(peers[0]), SHARDED_S, "the model sharded")
+        plan = netns.wait_for(lambda: netns.deployed_plan(peers), DEPLOYED_S, "a deployed plan")
+        assert len(plan["stages"]) >= 2
+        netns.wait_for(lambda: head_of(peers), DEPLOYED_S, "the head to accept chats")
+        yield peers

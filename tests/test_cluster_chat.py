@@ -18,7 +18,7 @@ import time
 import netns
 import pytest
 from sharding import reference
-from streaming import head_of
+from streaming import split_cluster
 
 from shards.manifest import Manifest
 
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.cluster, netns.needs_namespaces]
 
 # Per peer, so that no single peer can hold the model (0.7 of it is offered) but all can.
 BUDGETS = {"llama": "1MB", "bloom": "4MB"}
-SHARDED_S, DEPLOYED_S, ANSWER_S = 240, 90, 120
+ANSWER_S = 120
 NEW_TOKENS = 32
 PROMPTS = [[1, 5, 9, 2], [7], [3, 3, 3], [10, 20, 30, 40, 50], [11, 4], [6, 8], [12], [2, 9, 4]]
 
@@ -34,14 +34,8 @@ PROMPTS = [[1, 5, 9, 2], [7], [3, 3, 3], [10, 20, 30, 40, 50], [11, 4], [6, 8], 
 @pytest.fixture(scope="module", params=["llama", "bloom"])
 def cluster(request, hf_checkpoint, tmp_path_factory):
     model_dir = hf_checkpoint(request.param, layers=4)
-    dirs = netns.make_state_dirs(tmp_path_factory.mktemp(f"chat-{request.param}"), 3)
-    args = {i: ["--memory-budget", BUDGETS[request.param]] for i in range(3)}
-    args[0] += ["--model", str(model_dir)]
-    with netns.cluster(dirs, args) as (_, peers), netns.logs_on_failure(peers):
-        netns.wait_for(lambda: netns.sharded_model(peers[0]), SHARDED_S, "the model sharded")
-        plan = netns.wait_for(lambda: netns.deployed_plan(peers), DEPLOYED_S, "a deployed plan")
-        assert len(plan["stages"]) >= 2
-        netns.wait_for(lambda: head_of(peers), DEPLOYED_S, "the head to accept chats")
+    root = tmp_path_factory.mktemp(f"chat-{request.param}")
+    with split_cluster(root, model_dir, BUDGETS[request.param]) as peers:
         yield model_dir, peers
 
 

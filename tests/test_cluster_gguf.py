@@ -16,11 +16,11 @@ import subprocess
 import netns
 import pytest
 from gguf_files import write_gguf
-from streaming import head_of
+from streaming import split_cluster
 
 pytestmark = [pytest.mark.cluster, netns.needs_namespaces]
 
-SHARDED_S, DEPLOYED_S, ANSWER_S = 240, 90, 120
+ANSWER_S = 120
 NEW_TOKENS = 16
 PROMPT = "Héllo, how are the 猫 today?"
 
@@ -30,14 +30,7 @@ def gguf_cluster(hf_checkpoint, tmp_path_factory):
     model_dir = hf_checkpoint("llama", layers=4, tokenizer="spm")
     path = write_gguf(model_dir, tmp_path_factory.mktemp("gguf") / "home-llama.Q8_0.gguf",
                       "Q8_0")
-    dirs = netns.make_state_dirs(tmp_path_factory.mktemp("chat-gguf"), 3)
-    args = {i: ["--memory-budget", "1MB"] for i in range(3)}
-    args[0] += ["--model", str(path)]
-    with netns.cluster(dirs, args) as (_, peers), netns.logs_on_failure(peers):
-        netns.wait_for(lambda: netns.sharded_model(peers[0]), SHARDED_S, "the model sharded")
-        plan = netns.wait_for(lambda: netns.deployed_plan(peers), DEPLOYED_S, "a deployed plan")
-        assert len(plan["stages"]) >= 2
-        netns.wait_for(lambda: head_of(peers), DEPLOYED_S, "the head to accept chats")
+    with split_cluster(tmp_path_factory.mktemp("chat-gguf"), path, "1MB") as peers:
         yield path, peers
 
 
