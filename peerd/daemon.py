@@ -305,6 +305,9 @@ class Daemon:
             case membership.DuplicateResolved(peer_id=peer_id):
                 log.info("duplicate identity %s resolved", peer_id)
                 self.events.publish({"event": "duplicate-resolved", "id": peer_id})
+            case membership.Stalled(seconds=seconds):
+                log.warning("this daemon stalled %.1f s (frozen, suspended or starved of CPU): "
+                            "waiting for the others' heartbeats before judging them", seconds)
 
     def _update_election_view(self, now: float) -> None:
         view = election.PeersChanged(

@@ -254,6 +254,10 @@ def _leader_claimed(state: Election, event: LeaderClaimed) -> Election:
     ):
         # Our leader says it no longer leads (it restarted, or lost an election we missed).
         state = _set_leader(state, None)
+    if event.epoch > state.epoch and event.leader is None:
+        # An election we were not asked about (a peer stood without knowing us) moved the
+        # others on: follow, or they wait for a leader that never hears the new epoch.
+        return _new_epoch(state, event.epoch)
     if event.leader is None or event.epoch < state.epoch:
         return state
     if event.leader == state.me.id and state.role is not Role.LEADER:

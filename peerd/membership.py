@@ -7,6 +7,12 @@ A member is *suspect* when first discovered (known but not yet heard) and after
 ``suspect_after_s`` without a heartbeat, *alive* while heartbeats arrive, *dead* after
 ``dead_after_s`` of silence or a goodbye, and forgotten after ``forget_after_s``.
 
+A daemon can itself be the one that was absent: frozen (SIGSTOP, a thrashing machine) or
+starved of CPU. When its clock ticks jump by more than ``suspect_after_s``, the silence
+across the gap says nothing about the others, so it is not counted: every member keeps the
+silence it had before the gap, and the daemon learns who is alive from the heartbeats that
+follow instead of declaring everyone dead and standing alone.
+
 Every daemon run has a random instance id. A restart changes it, and the old instance falls
 silent. A copied state directory makes two daemons with one identity: they are told apart by
 heartbeats from both instances interleaving (the replaced instance speaks again after the
@@ -64,6 +70,7 @@ class Membership:
     timing: Timing = Timing()
     members: Mapping[str, Member] = dataclasses.field(default_factory=dict)
     self_duplicate: str | None = None  # address of another daemon with our identity
+    last_tick: float | None = None
 
     def with_member(self, member: Member) -> Membership:
         return dataclasses.replace(self, members={**self.members, member.id: member})
@@ -154,7 +161,14 @@ class DuplicateResolved:
     peer_id: str
 
 
-Action = Connect | Disconnect | StateChanged | DuplicateFound | DuplicateResolved
+@dataclasses.dataclass(frozen=True)
+class Stalled:
+    """This daemon's own ticks stopped for ``seconds``: nobody's silence across it counts."""
+
+    seconds: float
+
+
+Action = Connect | Disconnect | StateChanged | DuplicateFound | DuplicateResolved | Stalled
 Result = tuple[Membership, tuple[Action, ...]]
 
 
@@ -254,10 +268,23 @@ def _set_state(state: Membership, member: Member, new: PeerState) -> Result:
     return state.with_member(updated), actions
 
 
+def _forgive_own_stall(state: Membership, now: float) -> Result:
+    gap = now - (now if state.last_tick is None else state.last_tick)
+    state = dataclasses.replace(state, last_tick=now)
+    if gap <= state.timing.suspect_after_s:
+        return state, ()
+    members = {
+        peer_id: dataclasses.replace(member, last_heard=min(now, member.last_heard + gap))
+        for peer_id, member in state.members.items()
+    }
+    return dataclasses.replace(state, members=members), (Stalled(gap),)
+
+
 def _tick(state: Membership, now: float) -> Result:
+    state, stalled = _forgive_own_stall(state, now)
     timing = state.timing
     members = dict(state.members)
-    actions: list[Action] = []
+    actions: list[Action] = list(stalled)
     for member in state.members.values():
         silent = now - member.last_heard
         if member.state is PeerState.DEAD and silent > timing.forget_after_s:
@@ -276,6 +303,4 @@ def _tick(state: Membership, now: float) -> Result:
             updated = dataclasses.replace(updated, duplicate=False, previous_instance=None)
             actions.append(DuplicateResolved(member.id))
         members[member.id] = updated
-    if not actions:
-        return state, ()
     return dataclasses.replace(state, members=members), tuple(actions)

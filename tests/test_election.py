@@ -1,5 +1,5 @@
 """The election state machine: rules one by one, then whole clusters simulated with random
-message orders, losses and a killed leader."""
+message orders, losses, a killed leader and a peer that restarts knowing only some peers."""
 
 import dataclasses
 import random
@@ -185,6 +185,13 @@ def test_a_claim_about_our_previous_run_only_moves_the_epoch():
     assert (state.leader, state.epoch, state.role) == (None, 7, Role.FOLLOWER)
 
 
+def test_a_leaderless_higher_epoch_moves_even_the_leader_so_the_best_can_stand_in_it():
+    leader, _ = run(node(cand("a", 2e9), cand("b")), Tick(0.1), VoteReceived("b", 1, True, 0.2))
+    moved, actions = run(leader, LeaderClaimed("b", None, 3, 2.0))
+    assert (moved.role, moved.epoch) == (Role.CANDIDATE, 4)
+    assert LeaderChanged(None, 3) not in actions and RequestVotes(4, ("b",)) in actions
+
+
 def test_losing_mains_power_is_a_capability_change():
     state, _ = run(node(cand("a", 2e9), cand("b")), CapabilityChanged(cand("a", 2e9, False), 0))
     assert state.role is Role.FOLLOWER  # b on mains now outranks a
@@ -199,16 +206,19 @@ class Cluster:
     def __init__(self, capabilities: list[Candidate]):
         self.caps = {c.id: c for c in capabilities}
         self.alive = set(self.caps)
+        self.knows = {peer: set(self.caps) for peer in self.caps}  # whom mDNS has shown it
+        self.heard = {peer: set(self.caps) for peer in self.caps}  # whose heartbeats it had
         self.nodes = {c.id: Election(me=c, timing=TIMING) for c in capabilities}
         self.in_flight: list[tuple[str, object]] = []
-        self.won: dict[int, set[str]] = {}
+        self.won: dict[int, set[str]] = {}  # epoch -> the live peers that won it
         self.now = 0.0
         for peer in self.caps:
             self.deliver(peer, self._view(peer))
 
     def _view(self, peer: str) -> PeersChanged:
-        others = tuple(self.caps[p] for p in sorted(self.alive - {peer}))
-        return PeersChanged(others, frozenset(self.alive - {peer}), True, self.now)
+        seen = (self.alive & self.knows[peer]) - {peer}
+        voters = tuple(self.caps[p] for p in sorted(seen & self.heard[peer]))
+        return PeersChanged(voters, frozenset(seen), seen <= self.heard[peer], self.now)
 
     def deliver(self, peer: str, event) -> None:
         if peer not in self.alive:
@@ -217,6 +227,9 @@ class Cluster:
         self.nodes[peer], actions = apply(self.nodes[peer], event)
         for action in actions:
             self._send(peer, action)
+        if isinstance(event, LeaderClaimed) and event.sender not in self.heard[peer]:
+            self.heard[peer].add(event.sender)
+            self.deliver(peer, self._view(peer))
 
     def _send(self, sender: str, action) -> None:
         match action:
@@ -243,9 +256,28 @@ class Cluster:
             self.deliver(peer, Tick(self.now))
 
     def kill(self, peer: str) -> None:
+        """A dead peer's wins end with it: a fresh peer may reuse an epoch nobody alive saw."""
         self.alive.discard(peer)
+        for winners in self.won.values():
+            winners.discard(peer)
         for survivor in sorted(self.alive):
             self.deliver(survivor, self._view(survivor))
+
+    def restart(self, peer: str, knows: set[str]) -> None:
+        """`peer` starts afresh (epoch 0) and has discovered only `knows` so far."""
+        self.alive.add(peer)
+        self.knows[peer] = knows | {peer}
+        for heard in self.heard.values():
+            heard.discard(peer)  # a new instance: suspect until its first heartbeat
+        self.heard[peer] = {peer}
+        self.nodes[peer] = Election(me=self.caps[peer], timing=TIMING)
+        for member in sorted(self.alive):
+            self.deliver(member, self._view(member))
+
+    def discover_all(self) -> None:
+        for peer in sorted(self.alive):
+            self.knows[peer] = set(self.caps)
+            self.deliver(peer, self._view(peer))
 
     def settle(self, rounds: int = 40) -> None:
         """Reliable, in-order delivery with heartbeats and ticks."""
@@ -268,11 +300,24 @@ capabilities = st.lists(
 )
 
 
+def test_a_peer_restarting_that_knows_only_a_follower_does_not_leave_the_cluster_split():
+    cluster = Cluster([cand("a", 4e9), cand("b", 1e9), cand("c", 2e9)])
+    cluster.settle()
+    assert cluster.agreed() == ("a", 1)
+    cluster.kill("c")
+    cluster.restart("c", knows={"b"})  # mDNS has not shown it "a" yet: it stands, "b" refuses
+    cluster.settle(rounds=4)
+    cluster.discover_all()
+    cluster.settle()
+    leader, epoch = cluster.agreed()
+    assert leader == "a" and epoch > 1
+
+
 @settings(max_examples=150, deadline=None)
 @given(caps=capabilities, seed=st.integers(0, 2**32 - 1), steps=st.integers(0, 150),
-       kill_at=st.integers(0, 150))
+       kill_at=st.integers(0, 150), restart_at=st.integers(0, 150))
 def test_one_leader_per_epoch_and_everyone_ends_up_agreeing_on_the_best(caps, seed, steps,
-                                                                      kill_at):
+                                                                      kill_at, restart_at):
     rng = random.Random(seed)
     cluster = Cluster(caps)
     killed_epoch = None
@@ -282,6 +327,11 @@ def test_one_leader_per_epoch_and_everyone_ends_up_agreeing_on_the_best(caps, se
             if leader in cluster.alive:
                 killed_epoch = cluster.nodes[leader].epoch
                 cluster.kill(leader)
+        if step == restart_at and len(cluster.alive) > 1:
+            # It knows at least one live peer: one that knows nobody is a partition.
+            peer, first = rng.sample(sorted(cluster.alive), 2)
+            cluster.kill(peer)
+            cluster.restart(peer, knows={first} | {p for p in cluster.caps if rng.random() < 0.5})
         roll = rng.random()
         if roll < 0.15:
             cluster.tick(rng.choice([0.1, 0.5, 1.2]))
@@ -291,8 +341,9 @@ def test_one_leader_per_epoch_and_everyone_ends_up_agreeing_on_the_best(caps, se
             peer, event = cluster.in_flight.pop(rng.randrange(len(cluster.in_flight)))
             if rng.random() > 0.1:  # one message in ten is lost
                 cluster.deliver(peer, event)
+    cluster.discover_all()
     cluster.settle()
-    assert all(len(leaders) == 1 for leaders in cluster.won.values()), cluster.won
+    assert all(len(leaders) <= 1 for leaders in cluster.won.values()), cluster.won
     leader, epoch = cluster.agreed()
     assert leader == best(cluster.caps[p] for p in cluster.alive).id
     if killed_epoch is not None:

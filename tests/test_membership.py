@@ -15,6 +15,7 @@ from peerd.membership import (
     HeartbeatSeen,
     Membership,
     PeerState,
+    Stalled,
     StateChanged,
     Tick,
     Timing,
@@ -65,8 +66,27 @@ def test_silence_makes_a_peer_suspect_then_dead_then_forgotten():
     state, actions = run(state, Tick(2.1))
     assert actions == [StateChanged("b", PeerState.DEAD, PeerState.SUSPECT)]
     assert "b" not in state.reachable() and state.settled()
-    state, actions = run(state, Tick(10.5))
+    state, actions = run(state, *ticks(2.1, 10.5))
     assert actions == [Disconnect("b", "key-b")] and state.members == {}
+
+
+def ticks(after: float, until: float, every: float = TIMING.heartbeat_s) -> list[Tick]:
+    """The ticks of a daemon that runs steadily from `after` to `until`."""
+    count = int((until - after) / every)
+    return [Tick(after + every * i) for i in range(1, count + 1)] + [Tick(until)]
+
+
+def test_a_daemon_that_stalled_does_not_count_the_gap_as_everyone_s_silence():
+    state, _ = run(start(), Discovered(record("b"), "a", 0.0), Discovered(record("c"), "a", 0.0),
+                   beat("b", 0.0), beat("c", 0.0), Tick(0.25), beat("b", 0.5), Tick(0.5))
+    state, actions = run(state, Tick(15.5))  # frozen for 15 s
+    assert actions == [Stalled(15.0)]
+    assert {m.state for m in state.members.values()} == {PeerState.ALIVE}
+    state, actions = run(state, beat("b", 15.6), *ticks(15.5, 16.5), beat("b", 16.5),
+                         *ticks(16.5, 17.25))
+    assert actions == [StateChanged("c", PeerState.SUSPECT, PeerState.ALIVE),
+                       StateChanged("c", PeerState.DEAD, PeerState.SUSPECT)]
+    assert state.members["b"].state is PeerState.ALIVE  # c was silent 2 s of running time
 
 
 def test_a_heartbeat_brings_a_dead_peer_back():
