@@ -19,7 +19,7 @@ import transformers
 
 from shards.cache import ShardOptions, ShardResult, shard
 from shards.cli import SHARDS_SUBDIR
-from shards.manifest import Quant
+from shards.manifest import Manifest, Quant
 
 
 @cache
@@ -33,6 +33,18 @@ def state_dir() -> Path:
 def sharded(model_dir: Path, quant: Quant = Quant.NONE, granularity: str = "half") -> ShardResult:
     root = state_dir() / SHARDS_SUBDIR
     return shard(model_dir, None, shard_root=root, options=ShardOptions(quant, granularity))
+
+
+def seed_shard_cache(state_dir: Path, model: Path) -> Manifest:
+    """Copy the session's sharded `model` into a daemon's state directory, where its model
+    host (or `LocalCluster`'s `peerd shard`) finds it ready, as on a device that sharded the
+    model before: the daemon tests are about the cluster, and exporting again in every one
+    of them costs seconds each. A copy, not links: some tests damage the files they get."""
+    result = sharded(model)
+    target = state_dir / SHARDS_SUBDIR / result.directory.name
+    if not target.exists():
+        shutil.copytree(result.directory, target)
+    return result.manifest
 
 
 @cache

@@ -9,15 +9,12 @@ waited for, rather than hoping that a fixed number of tokens outlasts the cluste
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import shutil
-import subprocess
 import threading
 import time
 from pathlib import Path
 
 import netns
+from sharding import seed_shard_cache
 
 from peerd.client import chat_events
 from shards.manifest import Manifest
@@ -67,14 +64,9 @@ class Answer(threading.Thread):
 
 
 def shard_into_caches(model_dir: Path, dirs: list[Path]) -> Manifest:
-    done = subprocess.run(
-        [*netns.PEERD, "shard", str(model_dir), "--json"], check=True, capture_output=True,
-        text=True, timeout=SHARDED_S, env={**os.environ, "PEERD_STATE_DIR": str(dirs[0])},
-    )
-    key_dir = Path(json.loads(done.stdout)["directory"])
-    for state_dir in dirs[1:]:
-        shutil.copytree(key_dir, state_dir / "shards" / key_dir.name)
-    return Manifest.load(key_dir)
+    for state_dir in dirs:
+        manifest = seed_shard_cache(state_dir, model_dir)
+    return manifest
 
 
 def head_of(peers: list[netns.Peer]) -> netns.Peer | None:
@@ -89,7 +81,6 @@ def serving_plan(peers: list[netns.Peer]) -> dict | None:
     return plan if plan and any(heads) else None
 
 
-SHARDED_S, DEPLOYED_S = 240, 90
 
 
 @contextlib.contextmanager
@@ -98,6 +89,7 @@ def split_cluster(root: Path, model: Path, budget: str):
     offering `budget` of memory so that no one holds it: yields the peers once the model is
     sharded, a plan of two or more stages is deployed and its head accepts chats."""
     dirs = netns.make_state_dirs(root, 3)
+    seed_shard_cache(dirs[0], model)
     args = {i: ["--memory-budget", budget] for i in range(3)}
     args[0] += ["--model", str(model)]
     with netns.cluster(dirs, args) as (_, peers), netns.logs_on_failure(peers):

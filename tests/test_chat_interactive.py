@@ -23,11 +23,10 @@ import time
 from pathlib import Path
 
 import pytest
-from sharding import reference, sharded
+from sharding import reference, seed_shard_cache
 
 from peerd.chat import PROMPT, STOPPED
 from peerd.local_cluster import LocalCluster
-from shards.cli import SHARDS_SUBDIR
 from shards.tokenizer import TextStream, Tokenizer
 
 PEERD = [sys.executable, "-m", "peerd"]
@@ -43,8 +42,7 @@ def model_dir(hf_checkpoint) -> Path:
 
 def _cluster(root: Path, model_dir: Path, peers: int) -> LocalCluster:
     """A cluster whose model peer (LocalCluster's peer0) finds the model sharded already."""
-    result = sharded(model_dir)
-    shutil.copytree(result.directory, root / "peer0" / SHARDS_SUBDIR / result.directory.name)
+    seed_shard_cache(root / "peer0", model_dir)
     return LocalCluster(root, model_dir, peers=peers, progress=lambda line: None,
                         extra=["--no-rebalance"])  # the tests count one plane's steps
 

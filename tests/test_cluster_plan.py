@@ -9,12 +9,11 @@ and run in file order: the last one kills a peer.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 
 import netns
 import pytest
+from sharding import seed_shard_cache
 
 from peerd.monitor import parse_size
 from peerd.planning import context_for
@@ -35,6 +34,7 @@ REPLANNED_S = 60
 def cluster(hf_checkpoint, tmp_path_factory):
     model_dir = hf_checkpoint("llama", layers=4)
     dirs = netns.make_state_dirs(tmp_path_factory.mktemp("cluster-plan"), 3)
+    seed_shard_cache(dirs[0], model_dir)
     args = {i: ["--memory-budget", BUDGET] for i in range(3)}
     args[0] += ["--model", str(model_dir)]
     with netns.cluster(dirs, args) as (_, peers):
@@ -46,10 +46,7 @@ def test_with_the_model_sharded_the_cluster_forms_and_deploys_it(hf_checkpoint, 
     the plan and every stage loaded (how fast: `python -m bench.cluster`)."""
     model_dir = hf_checkpoint("llama", layers=4)
     dirs = netns.make_state_dirs(tmp_path, 3)
-    subprocess.run(
-        [*netns.PEERD, "shard", str(model_dir), "--json"], check=True, capture_output=True,
-        timeout=SHARDED_S, env={**os.environ, "PEERD_STATE_DIR": str(dirs[0])},
-    )
+    seed_shard_cache(dirs[0], model_dir)
     args = {i: ["--memory-budget", BUDGET] for i in range(3)}
     args[0] += ["--model", str(model_dir)]
     started = time.monotonic()

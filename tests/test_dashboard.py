@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from battery_file import set_battery
 from netns import PEERD
-from sharding import reference
+from sharding import reference, seed_shard_cache
 from waiting import eventually
 
 from peerd import statedir
@@ -48,6 +48,7 @@ QUESTION = "the quick brown fox"
 def cluster(hf_checkpoint, tmp_path_factory):
     model_dir = hf_checkpoint("llama", layers=4)
     root = tmp_path_factory.mktemp("dashboard")
+    seed_shard_cache(root / "peer0", model_dir)
     with LocalCluster(root, model_dir, peers=3, progress=lambda line: None,
                       extra=["--no-rebalance"]) as running:  # plans move only as peers do
         yield model_dir, running

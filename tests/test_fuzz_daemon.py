@@ -30,7 +30,7 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 from netns import wait_for
-from sharding import reference
+from sharding import reference, seed_shard_cache
 from wire_strategies import KINDS, carries_tensors, fields, hex_digests, msgpack_values
 from wire_strategies import frames as wire_frames
 
@@ -91,6 +91,7 @@ def setting(hf_checkpoint, tmp_path_factory) -> Setting:
     model_dir = hf_checkpoint("llama", layers=2)
     expected = reference(model_dir, tuple(PROMPT), NEW_TOKENS, stop_at_eos=True)[0]
     root = tmp_path_factory.mktemp("fuzz-daemon")
+    seed_shard_cache(root / "peer0", model_dir)
     # rebalancing off: the check after each example wants the same plan, and the test's own
     # bursts of CPU are load that could move it
     with LocalCluster(root, model_dir, 3, progress=lambda line: None,

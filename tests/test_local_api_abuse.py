@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from netns import wait_for
-from sharding import reference
+from sharding import reference, seed_shard_cache
 
 from peerd import statedir
 from peerd.chat import stream_answer
@@ -36,6 +36,7 @@ def daemon(hf_checkpoint, tmp_path_factory):
     model_dir = hf_checkpoint("llama", layers=2)
     expected = reference(model_dir, tuple(PROMPT), NEW_TOKENS, stop_at_eos=True)[0]
     root = tmp_path_factory.mktemp("api-abuse")
+    seed_shard_cache(root / "peer0", model_dir)
     with LocalCluster(root, model_dir, 1, progress=lambda line: None) as cluster:
         yield cluster.dirs[0], expected
 

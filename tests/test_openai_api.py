@@ -16,7 +16,6 @@ import json
 import logging
 import re
 import secrets
-import shutil
 import socket
 import subprocess
 import sys
@@ -26,14 +25,13 @@ from pathlib import Path
 import pytest
 from netns import wait_for
 from openai import BadRequestError, OpenAI
-from sharding import reference, sharded
+from sharding import reference, seed_shard_cache
 
 from peerd import client, identity
 from peerd.errors import PeerdError
 from peerd.http_server import MAX_BODY_BYTES
 from peerd.openai_api import OpenAiApi, parse_address
 from peerd.serving import ChatService
-from shards.cli import SHARDS_SUBDIR
 from shards.tokenizer import Tokenizer
 
 PEERD = [sys.executable, "-m", "peerd"]
@@ -110,8 +108,7 @@ def _daemon(state_dir: Path, *extra: str):
 def cluster(hf_checkpoint, tmp_path_factory):
     model_dir = hf_checkpoint("llama")
     dirs = _state_dirs(tmp_path_factory.mktemp("openai"), 2)
-    shards = sharded(model_dir).directory
-    shutil.copytree(shards, dirs[0] / SHARDS_SUBDIR / shards.name)
+    seed_shard_cache(dirs[0], model_dir)
     port = _free_port()
     with _daemon(dirs[0], "--model", str(model_dir)):
         hello = wait_for(lambda: (_status(dirs[0]) or {}).get("ports", {}).get("hello"),

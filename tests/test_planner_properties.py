@@ -43,7 +43,7 @@ from planner.paths import path_model
 from planner.reach import least_compute_bottleneck
 from planner.solve import SOLVERS, solve
 
-PROPERTY = settings(max_examples=500, deadline=None,
+PROPERTY = settings(max_examples=250, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
