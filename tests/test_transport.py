@@ -171,6 +171,8 @@ async def test_a_failing_handler_does_not_stop_the_receive_loop(pair):
 async def test_control_messages_overtake_a_bulk_transfer(pair):
     a, b = pair
     await answered(a.transport, "b")
+    small = protocol.BandwidthProbe(req=0, tensors={"payload": np.zeros(1, np.uint8)})
+    await answered(a.transport, "b", msg=small)  # the data channel is connected too
     bulk_probe = protocol.BandwidthProbe(
         req=0, tensors={"payload": np.zeros(protocol.MAX_PROBE_BYTES, np.uint8)}
     )

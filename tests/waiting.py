@@ -21,12 +21,15 @@ async def eventually(condition: Callable[[], Any], what: str, timeout: float = 5
     return value
 
 
-async def answered(transport: Transport, peer: str, timeout: float = 5.0) -> Any:
-    """The answer to a ping to `peer`, retried until its CURVE handshake is done."""
+async def answered(transport: Transport, peer: str, timeout: float = 5.0,
+                   msg: Any = None) -> Any:
+    """The answer to `msg` (a ping: the control channel) sent to `peer`, retried until the
+    CURVE handshake of the message's channel is done (a socket sends nothing before)."""
+    msg = protocol.Ping(req=0) if msg is None else msg
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return await transport.request(peer, protocol.Ping(req=0), 0.5)
+            return await transport.request(peer, msg, 0.5)
         except TransportError:
             if time.monotonic() > deadline:
                 raise
