@@ -40,15 +40,31 @@ def _start_cluster(model_dir: Path, root: Path, name: str, holders: int):
 def _answers_survive(peers, victim_index: int, prompts, expected) -> None:
     victim = peers[victim_index]
     askers = [p for p in peers if p is not victim]
-    answers = [Answer(askers[i % len(askers)], prompt) for i, prompt in enumerate(prompts)]
-    netns.wait_for(lambda: all(len(a.tokens) >= 3 or a.done for a in answers), ANSWER_S,
-                   "every answer streaming")
-    assert not any(a.done for a in answers), "an answer ended before the kill"
+    answers = _all_in_flight(askers, prompts, expected)
     victim.kill()
     for answer in answers:
         answer.join(ANSWER_S)
         assert answer.error is None, answer.error
         assert answer.tokens == answer.done["token_ids"] == expected[tuple(answer.prompt)]
+
+
+def _all_in_flight(askers, prompts, expected, attempts: int = 5) -> list[Answer]:
+    """Answers to every prompt, all streaming at once. An answer can run to its end before
+    the last one starts (a fast machine, a chat forwarded to the head): such an answer must
+    still be exact, and the round is asked again, since it shows nothing about a kill."""
+    for _ in range(attempts):
+        answers = [Answer(askers[i % len(askers)], p) for i, p in enumerate(prompts)]
+        netns.wait_for(lambda a=answers: all(len(x.tokens) >= 3 or x.done for x in a),
+                       ANSWER_S, "every answer streaming")
+        ended = [a for a in answers if a.done]
+        if not ended:
+            return answers
+        for answer in answers:
+            answer.end()
+        for answer in ended:
+            assert answer.error is None, answer.error
+            assert answer.tokens == expected[tuple(answer.prompt)]
+    raise AssertionError(f"in {attempts} rounds, an answer always ended before the last began")
 
 
 def test_answers_survive_a_peer_and_then_the_leader_vanishing(long_answers):
@@ -84,9 +100,7 @@ def test_when_the_rest_cannot_hold_the_model_every_client_hears_why(long_answers
         assert len(plan["stages"]) == 3
         victim = next(i for i, p in enumerate(peers) if p.id == plan["stages"][-1]["peer"])
         askers = [p for p in peers if p is not peers[victim]]
-        answers = [Answer(askers[i % 2], prompt) for i, prompt in enumerate(prompts)]
-        netns.wait_for(lambda: all(len(a.tokens) >= 3 for a in answers), ANSWER_S,
-                       "every answer streaming")
+        answers = _all_in_flight(askers, prompts, expected)
         peers[victim].kill()
         killed_at = time.monotonic()
         for answer in answers:
