@@ -27,7 +27,7 @@ _EXPORTER_PACKAGES = ("torch", "onnx", "onnxscript", "onnxruntime")
 # the modules whose code decides what the exported files contain
 _EXPORT_CODE = (
     "arch", "config.py", "source.py", "gguf", "checkpoint.py", "segment.py", "examples.py",
-    "export.py", "flops.py", "onnx_file.py", "quantize.py",
+    "export.py", "template.py", "flops.py", "onnx_file.py", "quantize.py",
 )
 
 

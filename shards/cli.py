@@ -63,8 +63,15 @@ def summary(result: ShardResult) -> dict:
             "peak_rss_bytes": peak_rss_bytes(),
             "largest_unit_weight_bytes": max(u.weight_bytes for u in manifest.units),
             "total_weight_bytes": sum(u.weight_bytes for u in manifest.units),
+            "weight_mb_per_s": round(_weight_mb_per_s(result), 1) if result.exported else None,
         },
     }
+
+
+def _weight_mb_per_s(result: ShardResult) -> float:
+    """How fast the units were made: MB of their weights (as written) per second."""
+    total = sum(u.weight_bytes for u in result.manifest.units)
+    return total / 1e6 / max(result.seconds, 1e-9)
 
 
 def peak_rss_bytes() -> int:
@@ -95,9 +102,11 @@ def _unit_summary(manifest: Manifest, index: int) -> dict:
 
 def _print_table(result: ShardResult) -> None:
     manifest = result.manifest
+    pace = (f", {result.seconds:.0f} s at {_weight_mb_per_s(result):.0f} MB of weights per "
+            "second" if result.exported else "")
     verb = "sharded" if result.exported else "already sharded"
     print(f"{verb}: {len(manifest.units)} units in {result.directory} "
-          f"(quant {manifest.options.quant.value})")
+          f"(quant {manifest.options.quant.value}{pace})")
     header = ("unit", "name", "weights", "kv B/token", "decode MFLOP", "sends")
     print("{:>4}  {:<16} {:>10} {:>10} {:>12}  {}".format(*header))
     for unit in manifest.units:

@@ -3,10 +3,11 @@
 The model is built on the "meta" device and segmented (shards.segment); then, unit by unit,
 only that unit's weights are read from the model's source, the unit runs on example inputs
 (shards.examples) to learn its dynamic axes and costs, is exported with torch.onnx (the
-torch.export-based exporter), optionally quantised (int8 or int4, shards.quantize), written
-as a model file and a data file (shards.onnx_file), and its weights are dropped again; the
-written unit is then loaded in ONNX Runtime and run on the example inputs (float32 units must
-match torch). The whole model is never in memory.
+torch.export-based exporter; a unit of the same structure as one exported before, a later
+layer, gets that graph with its own weights instead, shards.template), optionally quantised
+(int8 or int4, shards.quantize), written as a model file and a data file (shards.onnx_file),
+and its weights are dropped again; the written unit is then loaded in ONNX Runtime and run
+on the example inputs (float32 units must match torch). The whole model is never in memory.
 `shards.cache.shard` decides whether there is anything to export.
 """
 
@@ -52,6 +53,7 @@ from shards.onnx_file import WrittenUnit, save_external, write_unit
 from shards.quantize import quantize_unit
 from shards.segment import Segmentation, UnitGraph, segment
 from shards.source import ModelSource
+from shards.template import Template, learn, signature
 
 RETURN_BYTES = 8  # the sampled token id (int64) sent back to the first stage
 UNITS_DIR = "units"
@@ -66,9 +68,12 @@ def export_units(
     progress: Progress,
     key: str,
     source_sha256: str,
+    reuse_graphs: bool = True,
 ) -> Manifest:
-    """Export every unit of the model into `directory` and write its manifest there."""
-    return _Exporter(source, config, directory, options, progress).run(key, source_sha256)
+    """Export every unit of the model into `directory` and write its manifest there;
+    `reuse_graphs=False` exports every unit (what bench.shard_speed compares against)."""
+    exporter = _Exporter(source, config, directory, options, progress, reuse_graphs)
+    return exporter.run(key, source_sha256)
 
 
 class _Exporter:
@@ -79,12 +84,14 @@ class _Exporter:
         directory: Path,
         options: ShardOptions,
         progress: Progress,
+        reuse_graphs: bool,
     ) -> None:
         self.source, self.config, self.directory = source, config, directory
-        self.options, self.progress = options, progress
+        self.options, self.progress, self.reuse_graphs = options, progress, reuse_graphs
         self.model = build_model(config, "meta")
         self.segmentation: Segmentation = segment(self.model, options.granularity)
         self.store = examples.ExampleStore(config, self.segmentation.consumers)
+        self.templates: dict[tuple, Template] = {}
 
     def run(self, key: str, source_sha256: str) -> Manifest:
         (self.directory / UNITS_DIR).mkdir(parents=True)
@@ -92,9 +99,11 @@ class _Exporter:
         count = len(self.segmentation.units)
         for unit in self.segmentation.units:
             started = time.perf_counter()
-            units.append(self._unit(unit))
+            result, template = self._unit(unit)
+            units.append(result)
             seconds = time.perf_counter() - started
-            self.progress(f"[{unit.index + 1}/{count}] {unit.name} exported in {seconds:.1f}s")
+            how = f"built from {template}'s graph" if template else "exported"
+            self.progress(f"[{unit.index + 1}/{count}] {unit.name} {how} in {seconds:.1f}s")
         manifest = Manifest(
             key=key,
             model=_model_info(self.config, source_sha256),
@@ -105,7 +114,9 @@ class _Exporter:
         manifest.save(self.directory)
         return manifest
 
-    def _unit(self, unit: UnitGraph) -> Unit:
+    def _unit(self, unit: UnitGraph) -> tuple[Unit, str | None]:
+        """The unit written and checked, and the unit whose graph it reused (None when it
+        was exported)."""
         targets = _weight_targets(self.model, unit.targets)
         if targets:
             materialize(self.model, self.source, targets)
@@ -119,7 +130,7 @@ class _Exporter:
             self.store.record(unit, case, outputs)
         relative = f"{UNITS_DIR}/{unit.index:03d}-{unit.name}.onnx"
         with tempfile.TemporaryDirectory(dir=self.directory) as scratch:
-            staged = _to_onnx(module, unit, runs, Path(scratch))
+            staged, template = self._graph(unit, module, runs, Path(scratch))
             del module
             _release(self.model, targets)
             if self.options.quant is not Quant.NONE:
@@ -128,7 +139,25 @@ class _Exporter:
         result = self._manifest_unit(unit, written, runs, flops)
         _check(self.directory / relative, result, *runs[examples.EXPORT],
                exact=self.options.quant is Quant.NONE)
-        return result
+        return result, template
+
+    def _graph(self, unit: UnitGraph, module: torch.nn.Module, runs: dict,
+               scratch: Path) -> tuple[Path, str | None]:
+        """The unit's float32 model saved in `scratch`: the graph of an earlier unit of the
+        same structure when, with this unit's weights, it computes what torch computes;
+        else exported now (and remembered for the units to come)."""
+        key = signature(unit, module, runs)
+        template = self.templates.get(key)
+        if template is not None:
+            reused = scratch / "reused"
+            reused.mkdir()
+            staged = template.apply(unit, module, reused)
+            if _agrees(staged, unit, *runs[examples.EXPORT]):
+                return staged, template.name
+        staged = _to_onnx(module, unit, runs, scratch)
+        if self.reuse_graphs:
+            self.templates.setdefault(key, learn(staged, unit, module))
+        return staged, None
 
     def _manifest_unit(self, unit: UnitGraph, written: WrittenUnit, runs: dict,
                        flops: dict) -> Unit:
@@ -284,28 +313,47 @@ def _check(path: Path, unit: Unit, args: tuple, expected: tuple, exact: bool) ->
     """The written unit must load in ONNX Runtime with the manifest's inputs and outputs and
     run on the example; with `exact`, compute what the torch unit computed."""
     session = _session(path, unit)
-    feeds = {name: a.numpy() for name, a in zip(unit.graph_inputs, args, strict=True)}
-    got = session.run(list(unit.graph_outputs), feeds)
-    for name, value, want in zip(unit.graph_outputs, got, expected, strict=True):
+    problem = _disagreement(session, unit.graph_inputs, unit.graph_outputs, args, expected,
+                            exact)
+    if problem is not None:
+        raise ShardError(f"unit {unit.name}: {problem}")
+
+
+def _agrees(staged: Path, unit: UnitGraph, args: tuple, expected: tuple) -> bool:
+    """Does the model at `staged` load and compute what the torch unit computed?"""
+    options = _check_options()
+    options.log_severity_level = 4  # a graph that does not fit fails quietly: it is exported
+    try:
+        session = ort.InferenceSession(str(staged), options, providers=["CPUExecutionProvider"])
+        problem = _disagreement(session, unit.input_names, unit.output_names, args, expected,
+                                exact=True)
+    except Exception:  # ONNX Runtime raises its own exception types: any means no
+        return False
+    return problem is None
+
+
+def _disagreement(session: ort.InferenceSession, inputs, outputs, args: tuple,
+                  expected: tuple, exact: bool) -> str | None:
+    """How the session's outputs on `args` differ from torch's `expected`, if they do."""
+    feeds = {name: a.numpy() for name, a in zip(inputs, args, strict=True)}
+    got = session.run(list(outputs), feeds)
+    for name, value, want in zip(outputs, got, expected, strict=True):
         if value.shape != tuple(want.shape):
-            raise ShardError(f"unit {unit.name}: ONNX output {name} has shape "
-                             f"{list(value.shape)}, torch's {list(want.shape)}")
+            return f"ONNX output {name} has shape {list(value.shape)}, torch's {list(want.shape)}"
         if not exact:
             continue
         error = float(np.max(np.abs(value - want.numpy()), initial=0.0))
         scale = float(np.max(np.abs(want.numpy()), initial=0.0)) + 1.0
         if error > _CHECK_TOLERANCE * scale:
-            raise ShardError(f"unit {unit.name}: ONNX output {name} differs from torch by {error}")
+            return f"ONNX output {name} differs from torch by {error}"
+    return None
 
 
 def _session(path: Path, unit: Unit) -> ort.InferenceSession:
     """A session of the unit file as written, or a one-line ShardError."""
-    options = ort.SessionOptions()  # no optimisation or pre-packing: less memory, same result
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.add_session_config_entry("session.disable_prepacking", "1")
-    options.log_severity_level = 3
     try:
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(str(path), _check_options(),
+                                       providers=["CPUExecutionProvider"])
     except Exception as exc:  # ONNX Runtime raises its own exception types
         reason = " ".join(str(exc).split())
         raise ShardError(f"unit {unit.name}: written file {path.name} does not load in ONNX "
@@ -317,6 +365,15 @@ def _session(path: Path, unit: Unit) -> ort.InferenceSession:
                          f"and outputs {list(outputs)}, the manifest says "
                          f"{list(unit.graph_inputs)} and {list(unit.graph_outputs)}")
     return session
+
+
+def _check_options() -> ort.SessionOptions:
+    """No optimisation or pre-packing: less memory, the same result."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    options.log_severity_level = 3
+    return options
 
 
 def _dtype(tensor: torch.Tensor) -> str:

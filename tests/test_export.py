@@ -12,6 +12,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from onnx import numpy_helper
 from sharding import reference, sharded
 
 from peerd.generate import build_pipeline, generate
@@ -23,6 +24,7 @@ from shards.executor import StageExecutor
 from shards.manifest import MANIFEST_NAME, Quant
 from shards.sampling import SamplingParams
 from shards.segment import segment
+from shards.template import STAGED_DATA, Template
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +175,55 @@ def test_sharded_bfloat16_checkpoint_generates_like_transformers(hf_checkpoint):
     run = generate(build_pipeline(result.manifest, result.directory, 2), result.manifest,
                    list(prompt), 32, SamplingParams(), stop_at_eos=False)
     assert run.token_ids == tokens
+
+
+def _steps(lines: list[str]) -> list[str]:
+    """Progress lines without their timings: '[4/8] layer1.attn built from ...'."""
+    return [line.split(" in ")[0] for line in lines]
+
+
+@pytest.mark.slow
+def test_later_layers_reuse_the_first_layer_s_graph_with_their_own_weights(hf_checkpoint,
+                                                                          tmp_path):
+    model_dir = hf_checkpoint("llama", layers=3)
+    lines: list[str] = []
+    result = shard(model_dir, tmp_path / "units", progress=lines.append)
+    assert _steps(lines) == [
+        "[1/8] embed exported", "[2/8] layer0.attn exported", "[3/8] layer0.mlp exported",
+        "[4/8] layer1.attn built from layer0.attn's graph",
+        "[5/8] layer1.mlp built from layer0.mlp's graph",
+        "[6/8] layer2.attn built from layer0.attn's graph",
+        "[7/8] layer2.mlp built from layer0.mlp's graph", "[8/8] head exported",
+    ]
+    prompt = (3, 1, 4, 1, 5)
+    tokens, _ = reference(model_dir, prompt, 24)
+    run = generate(build_pipeline(result.manifest, result.directory, 3), result.manifest,
+                   list(prompt), 24, SamplingParams(), stop_at_eos=False)
+    assert run.token_ids == tokens
+
+
+@pytest.mark.slow
+def test_a_reused_graph_that_computes_otherwise_is_exported_instead(hf_checkpoint, tmp_path,
+                                                                     monkeypatch):
+    """A layer that only looks like the first (here: a reused weight off by one) is caught
+    by running it against torch, and exported for real."""
+    real_apply = Template.apply
+
+    def off_by_one(self, unit, module, directory):
+        staged = real_apply(self, unit, module, directory)
+        model = onnx.load(str(staged))
+        weight = next(t for t in model.graph.initializer if t.name in self.sources)
+        weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) + 1, weight.name))
+        onnx.save_model(model, str(staged), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=STAGED_DATA)
+        return staged
+
+    monkeypatch.setattr(Template, "apply", off_by_one)
+    model_dir = hf_checkpoint("llama", layers=2)
+    lines: list[str] = []
+    result = shard(model_dir, tmp_path / "units", progress=lines.append)
+    assert len(result.manifest.units) == 6  # each checked against torch as it was written
+    assert all(step.endswith(" exported") for step in _steps(lines)), lines
 
 
 @pytest.mark.slow

@@ -1,0 +1,150 @@
+"""Exported unit graphs reused for the units of the same structure.
+
+Exporting a unit with torch.onnx costs seconds (tracing, decompositions, optimisation), and
+the layers of a model are one graph with other weights. The first unit of each structure is
+exported; its graph is remembered with, for each initializer, the unit parameter it holds
+(as is, or transposed: the exporter folds `x @ W.T` into a constant) or its value when it is
+a constant of the graph. A later unit of the same structure gets that graph with its own
+parameters in place and its own input and output names. The exporter runs the result in
+ONNX Runtime against torch on the example inputs and exports for real when they differ, so a
+layer that only looks like the others (another constant, another branch) is never wrong.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+
+from shards.segment import UnitGraph
+
+_INDEX = re.compile(r"\d+")
+STAGED_DATA = "model.onnx.data"
+
+
+@dataclass(frozen=True)
+class Source:
+    """An initializer that holds parameter `index` of its unit (transposed or not)."""
+
+    index: int
+    transposed: bool
+    dtype: np.dtype
+
+
+@dataclass(frozen=True)
+class Template:
+    name: str  # the unit it was exported for
+    skeleton: onnx.ModelProto  # the graph without initializers
+    initializers: tuple[str, ...]  # in the graph's order
+    external: frozenset[str]  # those the exporter saved as external data
+    sources: dict[str, Source]
+    constants: dict[str, np.ndarray]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+    def apply(self, unit: UnitGraph, module: torch.nn.Module, directory: Path) -> Path:
+        """Save the graph with `module`'s parameters and `unit`'s names into `directory`."""
+        params = _parameters(module)
+        model = onnx.ModelProto()
+        model.CopyFrom(self.skeleton)
+        with (directory / STAGED_DATA).open("wb") as data:
+            for name in self.initializers:
+                value = np.ascontiguousarray(self._value(name, params))
+                if name in self.external:
+                    model.graph.initializer.append(_external(name, value, data))
+                else:
+                    model.graph.initializer.append(numpy_helper.from_array(value, name))
+        names = dict(zip(self.inputs + self.outputs,
+                         (*unit.input_names, *unit.output_names), strict=True))
+        _rename(model.graph, names)
+        staged = directory / "model.onnx"
+        staged.write_bytes(model.SerializeToString())
+        return staged
+
+    def _value(self, name: str, params: list[np.ndarray]) -> np.ndarray:
+        source = self.sources.get(name)
+        if source is None:
+            return self.constants[name]
+        value = params[source.index].T if source.transposed else params[source.index]
+        return value.astype(source.dtype, copy=False)
+
+
+def signature(unit: UnitGraph, module: torch.nn.Module, runs: dict) -> tuple:
+    """What two units share when one's graph can serve the other: the unit's name and its
+    parameters' names with layer numbers left out, their shapes, and every example's
+    input and output shapes."""
+    params = tuple((_INDEX.sub("#", name), tuple(p.shape), p.dtype)
+                   for name, p in module.named_parameters())
+    examples = tuple(
+        (case, tuple((tuple(a.shape), a.dtype) for a in (*args, *outputs)))
+        for case, (args, outputs) in sorted(runs.items())
+    )
+    return _INDEX.sub("#", unit.name), params, examples
+
+
+def learn(staged: Path, unit: UnitGraph, module: torch.nn.Module) -> Template:
+    """The template of the unit just exported to `staged` from `module`."""
+    external = frozenset(
+        t.name for t in onnx.load(str(staged), load_external_data=False).graph.initializer
+        if t.data_location == onnx.TensorProto.EXTERNAL
+    )
+    model = onnx.load(str(staged))
+    params = _parameters(module)
+    by_name = {name: i for i, (name, _) in enumerate(module.named_parameters())}
+    sources: dict[str, Source] = {}
+    constants: dict[str, np.ndarray] = {}
+    for tensor in model.graph.initializer:
+        value = numpy_helper.to_array(tensor)
+        source = _source(value, params, by_name.get(tensor.name))
+        if source is None:
+            constants[tensor.name] = value
+        else:
+            sources[tensor.name] = source
+    initializers = tuple(t.name for t in model.graph.initializer)
+    del model.graph.initializer[:]
+    return Template(unit.name, model, initializers, external, sources, constants,
+                    tuple(unit.input_names), tuple(unit.output_names))
+
+
+def _parameters(module: torch.nn.Module) -> list[np.ndarray]:
+    return [p.detach().numpy() for _, p in module.named_parameters()]
+
+
+def _source(value: np.ndarray, params: list[np.ndarray], named: int | None) -> Source | None:
+    """Which parameter `value` holds: the one it is named after first, then any by value."""
+    order = ([named] if named is not None else []) + list(range(len(params)))
+    for i in order:
+        param = params[i]
+        if param.shape == value.shape and np.array_equal(param, value):
+            return Source(i, False, value.dtype)
+        if param.ndim == 2 and param.T.shape == value.shape and np.array_equal(param.T, value):
+            return Source(i, True, value.dtype)
+    return None
+
+
+def _external(name: str, value: np.ndarray, data: BinaryIO) -> onnx.TensorProto:
+    """`value` as a tensor whose bytes are appended to `data` (the staged data file)."""
+    tensor = onnx.TensorProto(name=name, dims=value.shape,
+                              data_type=onnx.helper.np_dtype_to_tensor_dtype(value.dtype))
+    offset = data.tell()
+    data.write(value.tobytes())
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    for key, entry in (("location", STAGED_DATA), ("offset", offset), ("length", value.nbytes)):
+        field = tensor.external_data.add()
+        field.key, field.value = key, str(entry)
+    return tensor
+
+
+def _rename(graph: onnx.GraphProto, names: dict[str, str]) -> None:
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        value.name = names.get(value.name, value.name)
+    for node in graph.node:
+        for field in (node.input, node.output):
+            for i, name in enumerate(field):
+                field[i] = names.get(name, name)
