@@ -8,6 +8,7 @@ a freshly initialised model (normal, std 0.02; norms at 1). No tokenizer is writ
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,17 @@ class LlamaShape:
     heads: int
     kv_heads: int
     vocab: int = 32000
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The shape of a bench's random Llama (24 layers, hidden 1024, by default)."""
+    for flag, default in (("--layers", 24), ("--hidden", 1024), ("--intermediate", 2816),
+                          ("--heads", 16), ("--kv-heads", 4)):
+        parser.add_argument(flag, type=int, default=default)
+
+
+def shape_from(args: argparse.Namespace) -> LlamaShape:
+    return LlamaShape(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads)
 
 
 def reusable_llama(root: Path, shape: LlamaShape, note: Callable[[str], None]) -> Path:

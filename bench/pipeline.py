@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.llama_checkpoint import LlamaShape, reusable_llama
+from bench.llama_checkpoint import add_shape_arguments, reusable_llama, shape_from
 from peerd.chat import stream_answer
 from peerd.generate import build_pipeline, generate
 from peerd.local_cluster import LocalCluster
@@ -100,18 +100,14 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: a temporary one, removed at the end)")
     parser.add_argument("--small", action="store_true",
                         help="the built-in 8-layer, hidden-256 model instead")
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--intermediate", type=int, default=2816)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=4)
+    add_shape_arguments(parser)
     return parser
 
 
 def _model(root: Path, args: argparse.Namespace) -> tuple[Path, str]:
     if args.small:
         return write_builtin_model(root / "builtin-model"), "built-in, 8 layers, hidden 256"
-    shape = LlamaShape(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads)
+    shape = shape_from(args)
     model_dir = reusable_llama(root, shape, _note)
     return model_dir, (f"random Llama, {shape.layers} layers, hidden {shape.hidden}, "
                        f"intermediate {shape.intermediate}, {shape.heads} heads "

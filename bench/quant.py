@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.llama_checkpoint import LlamaShape, reusable_llama
+from bench.llama_checkpoint import add_shape_arguments, reusable_llama, shape_from
 from bench.shards import onnx_runner, round_robin, shard_units
 from peerd.generate import build_pipeline, generate
 from shards.cache import ShardResult
@@ -73,7 +73,7 @@ def _bench(root: Path, args: argparse.Namespace) -> None:
 
 
 def _random_model(root: Path, args: argparse.Namespace) -> Path:
-    shape = LlamaShape(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads)
+    shape = shape_from(args)
     model_dir = reusable_llama(root, shape, lambda line: print(line, file=sys.stderr, flush=True))
     print(f"model: {shape}, float32, std 0.02")
     return model_dir
@@ -157,11 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens per answer")
     parser.add_argument("--repeats", type=int, default=5, help="rounds (best and median)")
     parser.add_argument("--agreement-tokens", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--intermediate", type=int, default=2816)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=4)
+    add_shape_arguments(parser)
     return parser
 
 

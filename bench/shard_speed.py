@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.llama_checkpoint import LlamaShape, reusable_llama
+from bench.llama_checkpoint import add_shape_arguments, reusable_llama, shape_from
 from shards.cache import ShardOptions
 from shards.export import export_units
 from shards.source import open_model
@@ -48,7 +48,7 @@ def _shard(model: Path, out: Path, reuse_graphs: bool) -> tuple[float, int]:
 
 
 def _random_model(root: Path, args: argparse.Namespace) -> Path:
-    shape = LlamaShape(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads)
+    shape = shape_from(args)
     print(f"model: {shape}, float32, std 0.02")
     return reusable_llama(root, shape, _note)
 
@@ -61,11 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a checkpoint directory or GGUF file to shard "
                         "(default: a random Llama of the shape below)")
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--intermediate", type=int, default=2816)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=4)
+    add_shape_arguments(parser)
     return parser
 
 
