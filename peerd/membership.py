@@ -8,10 +8,11 @@ A member is *suspect* when first discovered (known but not yet heard) and after
 ``dead_after_s`` of silence or a goodbye, and forgotten after ``forget_after_s``.
 
 A daemon can itself be the one that was absent: frozen (SIGSTOP, a thrashing machine) or
-starved of CPU. When its clock ticks jump by more than ``suspect_after_s``, the silence
-across the gap says nothing about the others, so it is not counted: every member keeps the
-silence it had before the gap, and the daemon learns who is alive from the heartbeats that
-follow instead of declaring everyone dead and standing alone.
+starved of CPU. When its clock ticks jump by more than ``dead_after_s``, the silence across
+the gap says nothing about the others, so it is not counted: every member keeps the silence
+it had before the gap (plus one tick), and the daemon learns who is alive from the
+heartbeats that follow instead of declaring everyone dead and standing alone. Shorter gaps
+count in full: a daemon whose loop is merely slow must still see a peer die.
 
 Every daemon run has a random instance id. A restart changes it, and the old instance falls
 silent. A copied state directory makes two daemons with one identity: they are told apart by
@@ -271,10 +272,11 @@ def _set_state(state: Membership, member: Member, new: PeerState) -> Result:
 def _forgive_own_stall(state: Membership, now: float) -> Result:
     gap = now - (now if state.last_tick is None else state.last_tick)
     state = dataclasses.replace(state, last_tick=now)
-    if gap <= state.timing.suspect_after_s:
+    if gap <= state.timing.dead_after_s:
         return state, ()
+    unheard = gap - state.timing.heartbeat_s
     members = {
-        peer_id: dataclasses.replace(member, last_heard=min(now, member.last_heard + gap))
+        peer_id: dataclasses.replace(member, last_heard=min(now, member.last_heard + unheard))
         for peer_id, member in state.members.items()
     }
     return dataclasses.replace(state, members=members), (Stalled(gap),)

@@ -82,6 +82,10 @@ def test_a_daemon_that_stalled_does_not_count_the_gap_as_everyone_s_silence():
     state, actions = run(state, Tick(15.5))  # frozen for 15 s
     assert actions == [Stalled(15.0)]
     assert {m.state for m in state.members.values()} == {PeerState.ALIVE}
+    slow, actions = run(state, *ticks(15.5, 16.5, every=1.0), beat("b", 16.5),
+                        *ticks(16.5, 19.5, every=1.5))
+    assert Stalled not in map(type, actions)  # a slow loop still sees a silent peer die
+    assert slow.members["c"].state is PeerState.DEAD
     state, actions = run(state, beat("b", 15.6), *ticks(15.5, 16.5), beat("b", 16.5),
                          *ticks(16.5, 17.25))
     assert actions == [StateChanged("c", PeerState.SUSPECT, PeerState.ALIVE),
