@@ -81,8 +81,6 @@ def serving_plan(peers: list[netns.Peer]) -> dict | None:
     return plan if plan and any(heads) else None
 
 
-
-
 @contextlib.contextmanager
 def split_cluster(root: Path, model: Path, budget: str):
     """Three namespaced daemons, the model (a directory or GGUF file) on the first, each
