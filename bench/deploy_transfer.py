@@ -24,10 +24,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peerd import protocol  # noqa: E402
-from peerd.identity import ClusterSecret, KeyPair  # noqa: E402
-from peerd.transport import Endpoint, Transport, TransportError  # noqa: E402
-from peerd.unit_store import UnitStore  # noqa: E402
-from peerd.unit_transfer import ChunkServer, fetch_file  # noqa: E402
+from peerd.control.unit_store import UnitStore  # noqa: E402
+from peerd.control.unit_transfer import ChunkServer, fetch_file  # noqa: E402
+from peerd.wire.identity import ClusterSecret, KeyPair  # noqa: E402
+from peerd.wire.transport import Endpoint, Transport, TransportError  # noqa: E402
 from shards.manifest import UnitFile  # noqa: E402
 
 SECRET = ClusterSecret(b"b" * 32)

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.llama_checkpoint import add_shape_arguments, reusable_llama, shape_from
-from peerd.chat import stream_answer
-from peerd.generate import build_pipeline, generate
-from peerd.local_cluster import LocalCluster
-from peerd.local_pipeline import LocalPipeline
+from peerd.commands.chat import stream_answer
+from peerd.commands.generate import build_pipeline, generate
+from peerd.commands.local_cluster import LocalCluster
+from peerd.inference.local_pipeline import LocalPipeline
 from shards.builtin import write_builtin_model
 from shards.manifest import Manifest
 from shards.sampling import SamplingParams

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from peerd.plan_command import quiet_solver  # noqa: E402
+from peerd.commands.plan_command import quiet_solver  # noqa: E402
 from planner.cost import memory_need  # noqa: E402
 from planner.errors import Infeasible  # noqa: E402
 from planner.model import Battery, Cluster, Device, Link, Output, Unit, Workload  # noqa: E402

@@ -45,7 +45,7 @@ import numpy as np
 
 from bench.llama_checkpoint import add_shape_arguments, reusable_llama, shape_from
 from bench.shards import onnx_runner, round_robin, shard_units
-from peerd.generate import build_pipeline, generate
+from peerd.commands.generate import build_pipeline, generate
 from shards.cache import ShardResult
 from shards.executor import StageExecutor
 from shards.manifest import Quant

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.llama_checkpoint import LlamaShape, write_llama
-from peerd.client import call, chat_events
-from peerd.local_cluster import LocalCluster
+from peerd.commands.client import call, chat_events
+from peerd.commands.local_cluster import LocalCluster
 
 START_PINS = [[0], [0], [1]]  # until the first plan says which peer to put on LOADED_CORE
 SHARES = [0.35, 0.71, 0.71]  # of the model's memory need, per peer

@@ -3,7 +3,7 @@
 One run, one random Llama-format model (default 12 layers, hidden 512): decode tokens/s and
 the time of a 128-token prefill, for the whole model in torch eager and for its exported
 units split into K stages in one process (every inter-stage message encoded and decoded by
-peerd.protocol), side by side with their ratio (ONNX / torch: above 1 means ONNX is
+peerd.wire.protocol), side by side with their ratio (ONNX / torch: above 1 means ONNX is
 faster). How int8 and int4 units agree with float32 is measured by bench.quant.
 
     .venv/bin/python -m bench.shards [--layers 12 --hidden 512 ...] [--parts 1,4]
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from bench.llama_checkpoint import LlamaShape, write_llama
-from peerd.generate import build_pipeline, generate
+from peerd.commands.generate import build_pipeline, generate
 from shards.arch import empty_cache
 from shards.cache import ShardResult
 from shards.checkpoint import load_model

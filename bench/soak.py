@@ -28,8 +28,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from peerd.client import chat_events
-from peerd.local_cluster import LocalCluster
+from peerd.commands.client import chat_events
+from peerd.commands.local_cluster import LocalCluster
 from shards.builtin import write_builtin_model
 
 MAX_TOKENS = 40

@@ -1,3 +1,3 @@
-from peerd.cli import main
+from peerd.commands.cli import main
 
 raise SystemExit(main())

@@ -86,7 +86,7 @@ class Mip:
         the best solution found when `time_limit` seconds pass first.
 
         HiGHS presolve stays off: on these models it has reported wrong optima as optimal
-        (found by tests/test_planner_properties.py; HiGHS issues #1725, #3094).
+        (found by tests/units/planner/test_planner_properties.py; HiGHS issues #1725, #3094).
         """
         c = np.zeros(self._count)
         for i, value in cost.items():

@@ -7,10 +7,10 @@ import contextlib
 import time
 from pathlib import Path
 
-from peerd import membership
-from peerd.daemon import Daemon, Options
-from peerd.identity import ClusterSecret, KeyPair, ensure_identity, peer_id_for
-from peerd.records import PeerRecord
+from peerd.cluster import membership
+from peerd.cluster.records import PeerRecord
+from peerd.daemon.wiring import Daemon, Options
+from peerd.wire.identity import ClusterSecret, KeyPair, ensure_identity, peer_id_for
 
 
 @contextlib.asynccontextmanager

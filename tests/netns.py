@@ -185,7 +185,7 @@ class Peer:
 
     def status(self) -> dict[str, Any] | None:
         """The daemon's status document, or None while it cannot answer."""
-        from peerd.client import call
+        from peerd.commands.client import call
         from peerd.errors import PeerdError
 
         try:
@@ -317,7 +317,7 @@ def curve_probe(address: str, port: int, server_key: str, timeout: float) -> dic
     """Try a CURVE handshake with a fresh (non-member) key and a ping; report what happened."""
     import zmq
 
-    from peerd import protocol
+    from peerd.wire import protocol
 
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)

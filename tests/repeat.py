@@ -2,7 +2,7 @@
 flaky, on a quiet machine and on a loaded one.
 
     python tests/repeat.py                       # the daemon tests (-m cluster), 5 runs
-    python tests/repeat.py --runs 3 --busy-core 0 tests/test_cluster_rebalance.py
+    python tests/repeat.py --runs 3 --busy-core 0 tests/clusters/test_cluster_rebalance.py
     python tests/repeat.py --runs 10 -- -m "not cluster" -k planner
 
 Each run is one `pytest` process writing a JUnit XML report; the table lists every test that

@@ -10,12 +10,12 @@ import numpy as np
 from toy_units import ToyModel
 from waiting import answered
 
-from peerd import protocol
-from peerd.answers import Answers
-from peerd.dataplane import DataPlane, Limits
-from peerd.identity import ClusterSecret, KeyPair
-from peerd.serving import ChatService, Head, plane_of
-from peerd.transport import Endpoint, Transport
+from peerd.inference.answers import Answers
+from peerd.inference.dataplane import DataPlane, Limits
+from peerd.inference.serving import ChatService, Head, plane_of
+from peerd.wire import protocol
+from peerd.wire.identity import ClusterSecret, KeyPair
+from peerd.wire.transport import Endpoint, Transport
 from shards.executor import StageExecutor
 
 SECRET = ClusterSecret(b"d" * 32)

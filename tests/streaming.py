@@ -16,7 +16,7 @@ from pathlib import Path
 import netns
 from sharding import seed_shard_cache
 
-from peerd.client import chat_events
+from peerd.commands.client import chat_events
 from shards.manifest import Manifest
 
 SHARDED_S, DEPLOYED_S, ANSWER_S = 240, 120, 180

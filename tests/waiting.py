@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from peerd import protocol
-from peerd.transport import Transport, TransportError
+from peerd.wire import protocol
+from peerd.wire.transport import Transport, TransportError
 
 
 async def eventually(condition: Callable[[], Any], what: str, timeout: float = 5.0) -> Any:

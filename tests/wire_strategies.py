@@ -1,6 +1,6 @@
 """Hypothesis strategies for protocol messages, derived from the message classes themselves.
 
-Field annotations are the schema (peerd/protocol.py), so these follow the protocol as kinds
+Field annotations are the schema (peerd/wire/protocol.py), so these follow the protocol as kinds
 and fields are added: `typed(hint)` draws values shaped like an annotation, `hinted(hint)`
 mixes in values of any type, and `sample(cls)` builds one valid instance. `frames(header,
 tensors)` packs a header and tensor frames as `protocol.encode` would, without the message
@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 from hypothesis import strategies as st
 
-from peerd import protocol
+from peerd.wire import protocol
 
 KINDS = protocol.kinds()
 

@@ -23,7 +23,7 @@ from textual.message import Message
 from textual.widgets import Footer, Static
 
 from peerd import statedir
-from peerd.client import call
+from peerd.commands.client import call
 from tui.figures import name_of, names
 from tui.source import DaemonSource, Feed
 from tui.widgets.chat import ChatPane

@@ -2,7 +2,7 @@
 
     python -m tui.screenshot [OUT.svg]
 
-Starts three daemons on loopback with the built-in model (peerd/local_cluster.py, as
+Starts three daemons on loopback with the built-in model (peerd/commands/local_cluster.py, as
 `peerd demo` does) and runs the dashboard headless against the leader. To fill the event log
 with what a household sees, one follower's daemon is killed and started again (a laptop
 closed and opened: a re-plan that cannot place the model, then a plan over all three again);
@@ -20,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from peerd.commands.local_cluster import LocalCluster
 from peerd.errors import PeerdError
-from peerd.local_cluster import LocalCluster
 from shards.builtin import write_builtin_model
 from tui.app import DashboardApp
 from tui.widgets.chat import ChatPane

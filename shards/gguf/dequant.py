@@ -1,8 +1,8 @@
 """GGUF tensor data -> float32, for the tensor types peerd reads.
 
 The `gguf` package dequantises block by block in numpy (`gguf.quants.dequantize`); each type
-listed here is checked against the original weights in tests/test_gguf_model.py. A tensor of
-any other type is refused with a one-line reason rather than read by code never checked.
+listed here is checked against the original weights in tests/units/shards/test_gguf_model.py. A
+tensor of any other type is refused with a one-line reason rather than read by code never checked.
 """
 
 from __future__ import annotations

@@ -1,0 +1,209 @@
+"""Measuring peers: FLOP/s on a calibration ONNX graph, and link latency and bandwidth.
+
+The calibration unit is decode-shaped: one row through a chain of square MatMuls too large
+for the cache, built with ``onnx.helper`` and timed on ONNX Runtime with the stage
+executor's threading (no torch in the daemon). A decode step is bound by reading weights
+from memory, so a peer's figure predicts its stage times; a matrix-matrix product would
+measure arithmetic an order of magnitude faster than decode ever runs. Links are
+measured from a source peer to a target: the shortest round trip of a few pings on the control
+channel gives the one-way latency (half of it; the shortest is the one that queued least); a
+timed bulk transfer on the data channel, answered when fully received, gives the bandwidth
+once that round trip is taken out.
+
+The leader collects every peer's figures and asks every peer in turn to probe all the others,
+so links are measured between every ordered pair, one prober at a time: transfers at once
+would share the medium, and a ping queued behind another transfer would distort the round
+trip that is taken out (the daemon also runs at most one probing session per peer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterable
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from peerd.wire import protocol
+from peerd.wire.protocol import LinkFigures, PeerFigures
+from peerd.wire.transport import Transport, TransportError
+from shards.executor import usable_cores
+
+log = logging.getLogger("peerd.cluster.benchmark")
+
+CALIBRATION_SIZE = 2048
+CALIBRATION_DEPTH = 4  # 64 MiB of weights: more than a CPU's last-level cache
+CALIBRATION_SECONDS = 0.25
+FLOPS_MAX_AGE_S = 600.0
+LATENCY_PINGS = 5
+PROBE_BYTES = 4 * 1024 * 1024
+PROBE_TRANSFERS = 2
+PING_TIMEOUT_S = 2.0
+TRANSFER_TIMEOUT_S = 30.0
+
+
+def calibration_model(size: int = CALIBRATION_SIZE, depth: int = CALIBRATION_DEPTH) -> bytes:
+    """A serialized ONNX graph: a row x[1,size] multiplied by ``depth`` [size,size] matrices,
+    as a decode step multiplies one token's activations by its weights.
+
+    The matrices are ConstantOfShape nodes, which ONNX Runtime folds into weights when it
+    loads the graph: the serialized graph stays a few hundred bytes. Each has its own value
+    (no two are the same constant to be shared), and together they are far larger than a
+    CPU's cache, so every run streams them from memory as decode does."""
+    nodes, shapes, previous = [], [], "x"
+    for i in range(depth):
+        shapes.append(onnx.numpy_helper.from_array(np.array([size, size], np.int64), f"s{i}"))
+        value = helper.make_tensor(f"v{i}", TensorProto.FLOAT, [1], [(1.0 + i / depth) / size])
+        nodes.append(helper.make_node("ConstantOfShape", [f"s{i}"], [f"w{i}"], value=value))
+        output = "y" if i == depth - 1 else f"h{i}"
+        nodes.append(helper.make_node("MatMul", [previous, f"w{i}"], [output]))
+        previous = output
+    graph = helper.make_graph(
+        nodes,
+        "peerd-calibration",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, size])],
+        initializer=shapes,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def calibration_flops(size: int = CALIBRATION_SIZE, depth: int = CALIBRATION_DEPTH) -> int:
+    return 2 * size**2 * depth
+
+
+def calibration_session(size: int, depth: int) -> ort.InferenceSession:
+    """The calibration graph on as many threads as the stage executor uses: one per core
+    this process may run on (ONNX Runtime's default, one per core of the machine, would
+    also compute on cores a pinned peer must not use)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = usable_cores()
+    options.log_severity_level = 3
+    return ort.InferenceSession(
+        calibration_model(size, depth), options, providers=["CPUExecutionProvider"]
+    )
+
+
+def measure_flops(
+    size: int = CALIBRATION_SIZE,
+    depth: int = CALIBRATION_DEPTH,
+    seconds: float = CALIBRATION_SECONDS,
+) -> float:
+    """Effective FLOP/s of this machine on the calibration graph (best run; blocking)."""
+    session = calibration_session(size, depth)
+    x = np.random.default_rng(1).standard_normal((1, size)).astype(np.float32)
+    session.run(None, {"x": x})  # warm-up: allocations, thread pool
+    fastest = math.inf
+    deadline = time.perf_counter() + seconds
+    runs = 0
+    while runs < 3 or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        session.run(None, {"x": x})
+        fastest = min(fastest, time.perf_counter() - start)
+        runs += 1
+    return calibration_flops(size, depth) / fastest
+
+
+class FlopsMeter:
+    """This peer's FLOP/s, measured off the event loop and re-measured when old."""
+
+    def __init__(self, max_age_s: float = FLOPS_MAX_AGE_S):
+        self.flops = 0.0
+        self._max_age_s = max_age_s
+        self._measured_at = -math.inf
+        self._lock = asyncio.Lock()
+
+    async def current(self) -> float:
+        async with self._lock:
+            if time.monotonic() - self._measured_at > self._max_age_s:
+                self.flops = await asyncio.to_thread(measure_flops)
+                self._measured_at = time.monotonic()
+        return self.flops
+
+
+def one_way_latency(round_trips: Iterable[float]) -> float:
+    return min(round_trips) / 2
+
+
+def transfer_bandwidth(nbytes: int, elapsed_s: float, round_trip_s: float) -> float:
+    """Bytes/s of a transfer timed from sending to its acknowledgement.
+
+    The elapsed time includes one round trip (data out, acknowledgement back); it is taken
+    out, but never more than half the elapsed time, so a noisy round trip cannot blow up a
+    fast transfer's figure.
+    """
+    return nbytes / max(elapsed_s - round_trip_s, elapsed_s / 2)
+
+
+async def measure_link(
+    transport: Transport, source: str, target: str, payload_bytes: int = PROBE_BYTES
+) -> LinkFigures:
+    round_trips = []
+    for _ in range(LATENCY_PINGS):
+        start = time.perf_counter()
+        await transport.request(target, protocol.Ping(req=0), PING_TIMEOUT_S)
+        round_trips.append(time.perf_counter() - start)
+    round_trip = min(round_trips)
+    probe = protocol.BandwidthProbe(
+        req=0, tensors={"payload": np.zeros(payload_bytes, dtype=np.uint8)}
+    )
+    bandwidth = 0.0
+    for _ in range(PROBE_TRANSFERS):  # the best transfer: the first may still be in slow start
+        start = time.perf_counter()
+        await transport.request(target, probe, TRANSFER_TIMEOUT_S)
+        elapsed = time.perf_counter() - start
+        bandwidth = max(bandwidth, transfer_bandwidth(payload_bytes, elapsed, round_trip))
+    return LinkFigures(source, target, one_way_latency(round_trips), bandwidth)
+
+
+async def measure_links(
+    transport: Transport, source: str, targets: Iterable[str], payload_bytes: int
+) -> tuple[LinkFigures, ...]:
+    """This peer's links to each target, one at a time; unreachable targets are left out."""
+    links = []
+    for target in targets:
+        try:
+            links.append(await measure_link(transport, source, target, payload_bytes))
+        except TransportError as exc:
+            log.info("could not measure the link to %s: %s", target, exc)
+    return tuple(links)
+
+
+async def collect_figures(
+    ask: Callable[[str], Awaitable[PeerFigures]], peers: Iterable[str]
+) -> dict[str, PeerFigures]:
+    """Every peer's figures, asked at once; peers that fail to answer are left out."""
+    peers = list(peers)
+    answers = await asyncio.gather(*(ask(p) for p in peers), return_exceptions=True)
+    figures = {}
+    for peer, answer in zip(peers, answers, strict=True):
+        if isinstance(answer, PeerFigures) and answer.id == peer:
+            figures[peer] = answer
+        else:
+            log.info("no figures from %s: %s", peer, answer)
+    return figures
+
+
+async def collect_links(
+    ask: Callable[[str, tuple[str, ...]], Awaitable[tuple[LinkFigures, ...]]],
+    peers: Iterable[str],
+) -> tuple[LinkFigures, ...]:
+    """Every ordered pair's link, asking one source peer at a time."""
+    peers = list(peers)
+    links: list[LinkFigures] = []
+    for source in peers:
+        try:
+            measured = await ask(source, tuple(p for p in peers if p != source))
+        except TransportError as exc:
+            log.info("%s could not probe its links: %s", source, exc)
+            continue
+        links.extend(link for link in measured if link.source == source)
+    return tuple(links)

@@ -1,0 +1,184 @@
+"""`peerd chat`: talk to the cluster through the local daemon's socket.
+
+The request is one line, ``{"op": "chat", "messages": [...] | "prompt_ids": [...],
+"max_tokens", "temperature", "top_k", "top_p", "seed"}``; the daemon answers with a stream of
+``{"event": "token", "token": ID, "text": PIECE}`` lines and ends with ``{"event": "done",
+"ok": true, "token_ids", "text", "stats"}`` or ``{"ok": false, "error": REASON}``. Closing the
+connection cancels the answer on every peer, which is what Ctrl-C does.
+
+With `--prompt` or `--prompt-ids` it answers once and exits; with neither it is an interactive,
+multi-turn `Session`. Answers go to stdout; the prompt marker, notices and errors go to
+stderr, so `peerd chat < questions > answers` keeps only the answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from peerd import statedir
+from peerd.commands.client import call, chat_events
+from peerd.errors import PeerdError
+
+# An answer may take a while to start when the cluster is busy; the daemon's own deadlines
+# end a stuck answer with an error, so the client waits without a timeout of its own.
+ANSWER_TIMEOUT_S = None
+
+PROMPT = "you> "
+STOPPED = "[answer stopped]"
+BANNER = "peerd chat: type a message; /help lists commands; Ctrl-C stops an answer, Ctrl-D leaves."
+HELP = """\
+/reset  forget the conversation so far
+/help   this list
+/exit   leave (so do Ctrl-D, and Ctrl-C at the prompt)"""
+# The head's refusal of text for a model without a tokenizer says this (peerd/inference/serving.py).
+_NO_TOKENIZER = "no tokenizer"
+
+Message = dict[str, str]
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    state_dir = statedir.resolve(args.state_dir)
+    settings = _settings(args)
+    if args.prompt_ids is not None:
+        return _answer_once(state_dir, {"prompt_ids": args.prompt_ids, **settings}, args.json)
+    if args.prompt is not None:
+        messages = [{"role": "user", "content": args.prompt}]
+        return _answer_once(state_dir, {"messages": messages, **settings}, args.json)
+    if args.json:
+        raise PeerdError("--json needs --prompt or --prompt-ids")
+    call(state_dir, {"op": "status"})  # no daemon: say so now, not after the first message
+    return Session(state_dir, settings).run()
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    if args.max_tokens < 1:
+        raise PeerdError(f"--max-tokens must be at least 1, not {args.max_tokens}")
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+    }
+
+
+class NoTokenizer(PeerdError):
+    """The model has no tokenizer: it takes prompts as token ids only."""
+
+
+def _answer_once(state_dir: Path, request: dict[str, Any], as_json: bool) -> int:
+    if as_json:
+        done = stream_answer(state_dir, request)
+        print(json.dumps({k: done[k] for k in ("token_ids", "text", "stats")}))
+    else:
+        _answer_line(state_dir, request)
+    return 0
+
+
+def stream_answer(
+    state_dir: Path, request: dict[str, Any], on_piece: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """Send one chat request; call `on_piece(text)` per token; return the final event.
+    An exception (Ctrl-C) closes the connection at once, which ends the answer."""
+    with contextlib.closing(chat_events(state_dir, request, ANSWER_TIMEOUT_S)) as events:
+        for event in events:
+            if event.get("ok") is False:
+                _refuse(event.get("error", "the cluster could not answer"))
+            if event.get("event") == "token" and on_piece is not None:
+                on_piece(event.get("text", ""))
+    return event  # the done event: the last, since an error answer was refused above
+
+
+def _refuse(error: str) -> None:
+    if _NO_TOKENIZER in error:
+        raise NoTokenizer("the model has no tokenizer, so it takes no text: "
+                          "give the prompt as token ids with --prompt-ids")
+    raise PeerdError(error)
+
+
+def _answer_line(state_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
+    """Stream an answer to stdout as it comes; the line is ended even if the answer is not."""
+    try:
+        return stream_answer(state_dir, request, _print_piece)
+    finally:
+        _print_piece("\n")
+
+
+def _print_piece(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _say(text: str, end: str = "\n") -> None:
+    sys.stdout.flush()  # keep stderr's notices after the answer text already shown
+    sys.stderr.write(text + end)
+    sys.stderr.flush()
+
+
+@dataclass
+class Session:
+    """An interactive chat: every answer is asked with the whole conversation so far."""
+
+    state_dir: Path
+    settings: dict[str, Any]
+    messages: list[Message] = field(default_factory=list)
+
+    def run(self) -> int:
+        _say(BANNER)
+        while (line := _read_line()) is not None:
+            try:
+                if not self._take(line.strip()):
+                    break
+            except KeyboardInterrupt:
+                _say(STOPPED)
+        return 0
+
+    def _take(self, line: str) -> bool:
+        """Act on one line; False when the session should end."""
+        if line == "/exit":
+            return False
+        if line == "/reset":
+            self.messages = []
+            _say("[conversation cleared]")
+        elif line == "/help":
+            _say(HELP)
+        elif line.startswith("/"):
+            _say(f"unknown command {line.split()[0]}; /help lists the commands")
+        elif line:
+            self._turn(line)
+        return True
+
+    def _turn(self, text: str) -> None:
+        """Ask with `text` as the next user message; keep the turn only if it was answered.
+
+        A stopped or failed answer leaves the conversation as it was, as if never asked.
+        """
+        asked = [*self.messages, {"role": "user", "content": text}]
+        try:
+            done = _answer_line(self.state_dir, {"messages": asked, **self.settings})
+        except NoTokenizer:
+            raise  # every message would fail the same way
+        except PeerdError as exc:
+            _say(f"peerd: {exc}")
+            return
+        self.messages = [*asked, {"role": "assistant", "content": done["text"]}]
+
+
+def _read_line() -> str | None:
+    """The next line typed after the prompt; None at end of input or on Ctrl-C."""
+    try:
+        _say(PROMPT, end="")
+        line = sys.stdin.readline()
+    except KeyboardInterrupt:
+        line = ""
+    if not line:
+        _say("")  # the shell's prompt then starts on a line of its own
+        return None
+    return line

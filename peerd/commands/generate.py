@@ -1,0 +1,167 @@
+"""`peerd generate`: run a model split into K stages in this process, no daemon.
+
+The model is sharded (or its cached shards reused), its units are split into K contiguous
+stages of near-equal unit counts, and generation runs through `peerd.inference.local_pipeline`: the
+same stage logic as the daemon, every inter-stage message encoded and decoded by
+`peerd.wire.protocol`, exactly as the network would carry it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from peerd.errors import PeerdError
+from peerd.inference.local_pipeline import LocalPipeline
+from peerd.inference.pipeline import Generation, StageWorker, TokenSampler
+from peerd.inference.routing import routes
+from shards.cache import ShardOptions
+from shards.cli import shard_or_reuse
+from shards.errors import ModelError, NoTokenizer
+from shards.executor import StageExecutor
+from shards.manifest import Manifest
+from shards.sampling import SamplingParams
+from shards.tokenizer import TextStream, Tokenizer
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    model_dir = Path(args.model_dir)
+    params = _sampling(args)
+    if args.max_tokens < 1:
+        raise PeerdError(f"--max-tokens must be at least 1, not {args.max_tokens}")
+    prompt = _prompt_ids(args, model_dir)
+    shards = shard_or_reuse(model_dir, None, ShardOptions(quant=args.quant))
+    manifest = shards.manifest
+    pipeline = build_pipeline(manifest, shards.directory, args.parts, args.fp16_wire)
+    run = generate(pipeline, manifest, prompt, args.max_tokens, params)
+    text = _decode(model_dir, run.token_ids)
+    stats = {**run.stats, "parts": args.parts, "units": len(manifest.units),
+             "quant": manifest.options.quant.value,
+             "stages": [[w.executor.first, w.executor.last] for w in pipeline.workers],
+             "shard_seconds": round(shards.seconds, 3), "sharded_now": shards.exported}
+    if args.json:
+        print(json.dumps({"token_ids": run.token_ids, "text": text, "stats": stats}))
+    else:
+        print(text if text else " ".join(map(str, run.token_ids)))
+    return 0
+
+
+def split_units(unit_count: int, parts: int) -> list[tuple[int, int]]:
+    """K contiguous, non-empty unit ranges whose sizes differ by at most one."""
+    if not 1 <= parts <= unit_count:
+        raise PeerdError(f"--parts must be between 1 and {unit_count} (the number of units)")
+    bounds = np.linspace(0, unit_count, parts + 1).round().astype(int)
+    return [(int(a), int(b) - 1) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def build_pipeline(
+    manifest: Manifest, directory: Path, parts: int, fp16_wire: bool = False
+) -> LocalPipeline:
+    ranges = split_units(len(manifest.units), parts)
+    workers = [
+        StageWorker(stage, StageExecutor(manifest, directory, a, b), stage_routes, fp16_wire)
+        for stage, ((a, b), stage_routes) in enumerate(
+            zip(ranges, routes(manifest, ranges), strict=True)
+        )
+    ]
+    return LocalPipeline(workers)
+
+
+@dataclass
+class Run:
+    token_ids: list[int]
+    logits: list[np.ndarray]  # the row each token was sampled from
+    stats: dict = field(default_factory=dict)
+
+
+class _RecordingSampler(TokenSampler):
+    """Keeps every sampled logits row and when it was sampled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[np.ndarray] = []
+        self.times: list[float] = []
+
+    def sample(self, seq_id: str, logits: np.ndarray) -> int:
+        self.rows.append(np.array(logits[0, -1]))
+        self.times.append(time.perf_counter())
+        return super().sample(seq_id, logits)
+
+
+def generate(
+    pipeline: LocalPipeline,
+    manifest: Manifest,
+    prompt: list[int],
+    max_tokens: int,
+    params: SamplingParams,
+    stop_at_eos: bool = True,
+) -> Run:
+    """One generation through the pipeline; stops after max_tokens or at an EOS token."""
+    _check_lengths(manifest, prompt, max_tokens)
+    sampler = _RecordingSampler()
+    pipeline.sampler = sampler
+    stops = frozenset(manifest.model.eos_token_ids) if stop_at_eos else frozenset()
+    generation = Generation("generate", list(prompt), max_tokens, stops)
+    started = time.perf_counter()
+    wire_before = pipeline.wire_bytes
+    pipeline.generate([(generation, params)])
+    prefill = sampler.times[0] - started
+    decode = sampler.times[-1] - sampler.times[0]
+    decoded = len(sampler.times) - 1
+    stats = {
+        "prompt_tokens": len(prompt),
+        "generated_tokens": len(generation.tokens),
+        "prefill_seconds": round(prefill, 6),
+        "decode_seconds": round(decode, 6),
+        "decode_tokens_per_second": round(decoded / decode, 3) if decoded and decode else None,
+        "wire_bytes": pipeline.wire_bytes - wire_before,
+    }
+    return Run(generation.tokens, sampler.rows, stats)
+
+
+def _check_lengths(manifest: Manifest, prompt: list[int], max_tokens: int) -> None:
+    if not prompt:
+        raise PeerdError("the prompt is empty")
+    vocab = manifest.model.vocab_size
+    if any(not 0 <= t < vocab for t in prompt):
+        raise PeerdError(f"prompt token ids must be in 0..{vocab - 1}")
+    limit = manifest.model.max_positions
+    if len(prompt) + max_tokens > limit:
+        raise PeerdError(
+            f"{len(prompt)} prompt tokens + {max_tokens} new tokens exceed the model's "
+            f"{limit} positions"
+        )
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    try:
+        return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as exc:
+        raise PeerdError(str(exc)) from None
+
+
+def _prompt_ids(args: argparse.Namespace, model_dir: Path) -> list[int]:
+    if args.prompt_ids is not None:
+        return list(args.prompt_ids)
+    try:
+        return Tokenizer.from_model(model_dir).prompt_ids(args.prompt)
+    except ModelError as exc:
+        raise PeerdError(str(exc)) from None
+
+
+def _decode(model_dir: Path, token_ids: list[int]) -> str:
+    """The answer's text as the daemon streams it (shards.tokenizer.TextStream)."""
+    try:
+        text = TextStream(Tokenizer.from_model(model_dir))
+    except NoTokenizer:
+        return ""
+    except ModelError as exc:
+        raise PeerdError(str(exc)) from None
+    for token in token_ids:
+        text.add(token)
+    return text.text

@@ -1,0 +1,243 @@
+"""Several real daemons on this machine, on loopback, serving one model together.
+
+Used by `peerd demo` and the benchmarks. The model is sharded first into the model peer's
+shard cache (which that peer's daemon then finds ready); every peer gets a memory budget
+(by default one under which only all of them together can hold the model); the non-model
+peers find the model peer as a static `--peer`, since multicast on the loopback interface
+is not something to count on. Entering the context returns once the cluster has settled:
+every peer in, no re-plan pending on the leader, and the head serving the leader's plan.
+Leaving it terminates the daemons.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from peerd.commands.client import call
+from peerd.control.planning import context_for
+from peerd.errors import PeerdError
+from peerd.wire import identity
+from planner.model import Cluster
+from shards.manifest import Manifest
+
+BETA = Cluster(source="", devices=()).beta  # the share of its budget a peer offers
+READY_S = 600.0
+# A cluster is ready once every peer is in, the leader has no re-plan waiting (a peer that
+# joined late) and the head has served the leader's plan this long (a leader challenged
+# right after its first plan makes another).
+SETTLE_S = 3.0
+SPARE = 0.6  # how far short of one more peer's room the default budgets are (see holder_share)
+
+
+class LocalCluster:
+    def __init__(self, root: Path, model_dir: Path, peers: int = 3,
+                 progress: Callable[[str], None] = print, holders: int | None = None,
+                 cpus: Sequence[Sequence[int]] | None = None, extra: Sequence[str] = (),
+                 peer_args: Sequence[Sequence[str]] = (),
+                 shares: Sequence[float] | None = None) -> None:
+        """`holders`: how many peers it takes to hold the model (default: all of them);
+        `shares`: instead, per peer, the fraction of the model it has memory for;
+        `cpus`: per peer, the cores its daemon is pinned to; `extra`: more `peerd start`
+        arguments for every peer, `peer_args`: for peer i, its own."""
+        self.root, self.model_dir, self.count = Path(root), Path(model_dir), peers
+        self.progress = progress
+        self.shares = list(shares or [holder_share(holders or peers)] * peers)
+        self.cpus = cpus
+        self.extra = tuple(extra)
+        self.peer_args = [tuple(a) for a in peer_args]
+        self._args: dict[int, tuple] = {}
+        self.dirs: list[Path] = []
+        self.manifest: Manifest | None = None
+        self._processes: list[subprocess.Popen] = []
+
+    def __enter__(self) -> LocalCluster:
+        self.dirs = _cluster_dirs(self.root, self.count)
+        self.manifest = _shard(self.model_dir, self.dirs[0], self.progress)
+        budgets = [budget_share(self.manifest, share) for share in self.shares]
+        try:
+            self._start(0, budgets[0], "--model", str(self.model_dir))
+            hello = _wait(lambda: _hello_port(self.dirs[0]), "peer0 to start")
+            for i in range(1, self.count):
+                self._start(i, budgets[i], "--peer", f"127.0.0.1:{hello}")
+            _wait_for_deployment(self.dirs, self.progress)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _start(self, i: int, budget: str, *args: str) -> None:
+        cores = self.cpus[i] if self.cpus else None
+        own = self.peer_args[i] if i < len(self.peer_args) else ()
+        self._args[i] = (budget, cores, *args, *self.extra, *own)
+        self._processes.append(_start(self.dirs[i], *self._args[i]))
+
+    def kill(self, i: int) -> None:
+        """SIGKILL peer i's daemon (a device that vanishes)."""
+        process = self._processes[i]
+        process.kill()
+        process.wait(timeout=30)
+
+    def restart(self, i: int) -> None:
+        """Start peer i's daemon again, as it was started."""
+        self._processes[i] = _start(self.dirs[i], *self._args[i])
+
+    def pin(self, i: int, cores: Sequence[int]) -> None:
+        """Move peer i's running daemon, every thread of it, onto `cores`."""
+        pid = self._processes[i].pid
+        for thread in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(thread), cores)
+
+    def status(self, i: int = 0) -> dict | None:
+        return _status(self.dirs[i])
+
+    def detach(self) -> None:
+        """Leave the daemons running after the context ends."""
+        self._processes.clear()
+
+    def stop(self) -> None:
+        for process in self._processes:
+            process.terminate()
+        for process in self._processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()  # its log says which shutdown step hung
+                process.wait()
+        self._processes.clear()
+
+
+def _cluster_dirs(root: Path, count: int) -> list[Path]:
+    secret = identity.ClusterSecret(secrets.token_bytes(identity.SECRET_BYTES))
+    dirs = []
+    for i in range(count):
+        state_dir = root / f"peer{i}"
+        state_dir.mkdir(parents=True, exist_ok=True)
+        identity.ensure_identity(state_dir, f"peer{i}")
+        if not identity.has_secret(state_dir):
+            identity.store_secret(state_dir, secret)
+        dirs.append(state_dir)
+    return dirs
+
+
+def _shard(model_dir: Path, state_dir: Path, progress: Callable[[str], None]) -> Manifest:
+    """Shard into the model peer's cache, with progress on stderr; the manifest."""
+    progress("sharding the model into ONNX units (once; later runs reuse them):")
+    done = subprocess.run(
+        [sys.executable, "-m", "peerd", "shard", str(model_dir), "--json"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PEERD_STATE_DIR": str(state_dir)},
+    )
+    if done.returncode != 0:
+        raise PeerdError("sharding the model failed (see above)")
+    return Manifest.load(Path(json.loads(done.stdout)["directory"]))
+
+
+def budget_for(manifest: Manifest, peers: int, spare: float = SPARE) -> str:
+    """The budget of `holder_share`: `peers` of them hold the model."""
+    return budget_share(manifest, holder_share(peers, spare))
+
+
+def holder_share(peers: int, spare: float = SPARE) -> float:
+    """Each of `peers` offers the model's need divided by (peers - spare): one peer fewer
+    falls short (spare < 1), all of them have room to spare for splitting the units
+    contiguously (more of it as `spare` nears 1)."""
+    return 1 / (peers - spare)
+
+
+def budget_share(manifest: Manifest, share: float) -> str:
+    """The `--memory-budget` under which a peer offers `share` of the model's need."""
+    context = context_for(manifest)
+    need = sum(u.weight_bytes + context * u.kv_bytes_per_token for u in manifest.units)
+    return f"{int(need * share / BETA)}"
+
+
+def _start(state_dir: Path, budget: str, cores: Sequence[int] | None,
+           *extra: str) -> subprocess.Popen:
+    log = (state_dir / "daemon.log").open("w")
+    command = [sys.executable, "-m", "peerd", "start", "--state-dir", str(state_dir),
+               "--interface", "127.0.0.1", "--memory-budget", budget, *extra]
+    pin = None if cores is None else (lambda: os.sched_setaffinity(0, cores))
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin)
+
+
+def _status(state_dir: Path) -> dict | None:
+    try:
+        return call(state_dir, {"op": "status"})["status"]
+    except PeerdError:
+        return None
+
+
+def _hello_port(state_dir: Path) -> int | None:
+    document = _status(state_dir)
+    return document and document["ports"]["hello"]
+
+
+def _wait_for_deployment(dirs: list[Path], progress: Callable[[str], None]) -> None:
+    shown = None
+    serving: tuple[str | None, float] = (None, time.monotonic())
+
+    def ready() -> bool:
+        nonlocal shown, serving
+        statuses = [_status(d) for d in dirs]
+        document = statuses[0]
+        line = _progress(document)
+        if line != shown:
+            progress(f"  {line}")
+            shown = line
+        statuses = [s or {} for s in statuses]
+        plan = next((s["dataplane"]["plan"] for s in statuses
+                     if s.get("dataplane", {}).get("head")), None)
+        if plan != serving[0]:
+            serving = (plan, time.monotonic())
+        settled = document is not None and _alive(document) == len(dirs) and not any(
+            s.get("replan_pending") for s in statuses
+        )
+        return settled and plan is not None and plan == _plan_key(document) and (
+            time.monotonic() - serving[1] >= SETTLE_S
+        )
+
+    _wait(ready, "the model to be deployed")
+
+
+def _plan_key(document: dict) -> str | None:
+    plan = document.get("plan") or {}
+    return f"{plan['epoch']}.{plan['id']}" if plan.get("stages") else None
+
+
+def _alive(document: dict) -> int:
+    return sum(1 for p in document["peers"] if p["state"] == "alive")
+
+
+def _progress(document: dict | None) -> str:
+    if document is None:
+        return "waiting for peer0"
+    model, plan = document.get("model"), document.get("plan")
+    members = _alive(document)
+    if not model or model.get("state") != "ready":
+        detail = (model or {}).get("detail") or "starting"
+        return f"{members} peers; model: {detail}"
+    if not plan or not plan["stages"]:
+        return f"{members} peers; model sharded; planning" + (
+            f" ({plan['problem']})" if plan and plan.get("problem") else ""
+        )
+    stages = ", ".join(f"{s['peer'][:6]}: units {s['units'][0]}-{s['units'][-1]}"
+                       for s in plan["stages"])
+    return f"{members} peers; plan {plan['id']}: {stages}; loading"
+
+
+def _wait(condition, what: str):
+    deadline = time.monotonic() + READY_S
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise PeerdError(f"timed out after {READY_S:.0f}s waiting for {what}")
+        time.sleep(0.25)
+    return value

@@ -1,0 +1,286 @@
+"""A peer's side of a plan: get the unit files of its stage, load them, report to the leader.
+
+Every member receives each plan (peerd.wire.protocol.PlanAssignment). A peer with a stage looks
+for each of its units' files (`Unit.files`: the ONNX model and its data file): the model peer
+has them in its shard directory; any other peer looks in its UnitStore (re-hashing a cached
+file first, so a corrupted one is fetched again, never loaded) and pulls the missing ones from
+the model peer in verified, resumable chunks (peerd.control.unit_transfer); either way a unit's data
+file lies beside its model, where ONNX Runtime looks for it. It then loads a StageExecutor
+for exactly its units and reports ``ready``; a peer without a stage unloads and reports
+``ready`` with no units. Progress goes to the leader as DeployReports and to the log.
+
+A newer plan (by leader epoch, then plan id) cancels work on an older one; bytes already
+received stay in the store, so the next plan resumes them. A plan equal to the one loaded
+(same manifest and unit range) keeps the executor as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from peerd.control.unit_store import UnitStore
+from peerd.control.unit_transfer import CHUNK_BYTES, Ask, fetch_file
+from peerd.wire.protocol import DeployReport, PlanAssignment, PlanStage
+from shards.executor import StageExecutor
+from shards.manifest import Manifest, ManifestError, Unit, UnitFile
+
+log = logging.getLogger("peerd.control.deploy")
+
+REPORT_INTERVAL_S = 1.0
+FETCHING, LOADING, READY, FAILED = "fetching", "loading", "ready", "failed"
+IDLE, PENDING = "idle", "pending"  # no plan yet; a plan accepted, work not started
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedStage:
+    """The units this peer runs: units ``first``..``last`` of ``manifest``, in ``executor``."""
+
+    manifest: Manifest
+    first: int
+    last: int
+    executor: StageExecutor
+
+    @property
+    def units(self) -> tuple[int, ...]:
+        return tuple(range(self.first, self.last + 1))
+
+
+@dataclasses.dataclass
+class Progress:
+    state: str = IDLE
+    received: int = 0
+    total: int = 0
+    detail: str = ""
+
+
+class Deployment:
+    def __init__(
+        self,
+        me: str,
+        store: UnitStore,
+        ask: Callable[[str], Ask],
+        report: Callable[[DeployReport], None],
+        local_files: Callable[[], Mapping[str, Path]] = dict,
+        chunk_bytes: int = CHUNK_BYTES,
+    ):
+        """`ask(peer)` sends a chunk request to that peer and returns its answer; `report`
+        delivers a DeployReport to the leader; `local_files` are unit files this peer has
+        without fetching (sha256 -> path: the model peer's shard directory)."""
+        self.me = me
+        self.store = store
+        self._ask = ask
+        self._report = report
+        self._local_files = local_files
+        self._chunk_bytes = chunk_bytes
+        self.assignment: PlanAssignment | None = None
+        self.manifest: Manifest | None = None  # the current plan's
+        self.loaded: LoadedStage | None = None
+        self.ready_plan: str | None = None  # key of the plan whose units are loaded
+        self.progress = Progress()
+        self._task: asyncio.Task | None = None
+        self._have: dict[str, int] = {}
+        self._reported_at = -float("inf")
+
+    @property
+    def units(self) -> tuple[int, ...]:
+        """The units this peer has loaded."""
+        return self.loaded.units if self.loaded else ()
+
+    @property
+    def executor(self) -> StageExecutor | None:
+        return self.loaded.executor if self.loaded else None
+
+    # -- plans ---------------------------------------------------------------------------------
+
+    def assign(self, plan: PlanAssignment) -> bool:
+        """Act on a plan from the leader; older plans are ignored, a repeat is answered.
+        True when the plan is new to this peer."""
+        current = self.assignment
+        if current is not None and _order(plan) < _order(current):
+            log.info("ignored plan %d of epoch %d: plan %d of epoch %d is newer",
+                     plan.plan_id, plan.epoch, current.plan_id, current.epoch)
+            return False
+        if current is not None and _order(plan) == _order(current):
+            if self._task is None or self._task.done():
+                if self.progress.state == FAILED:
+                    self._start(plan)  # the leader asks again: retry
+                else:
+                    self._send_report()
+            return False
+        self._start(plan)
+        return True
+
+    def _start(self, plan: PlanAssignment) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.assignment = plan
+        self.manifest = None
+        self.progress = Progress(PENDING)
+        self._have = {}
+        self._task = asyncio.create_task(self._deploy(plan), name=f"deploy-{plan.plan_id}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _deploy(self, plan: PlanAssignment) -> None:
+        stage = next((s for s in plan.stages if s.peer == self.me), None)
+        try:
+            self.manifest = _manifest(plan)
+            if stage is None:
+                self.loaded = None
+                self._set(READY, detail=plan.problem or "no stage in this plan")
+            else:
+                await self._deploy_stage(plan, stage, self.manifest)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any failure is reported to the leader, who asks again
+            log.error("plan %d: cannot deploy units %s: %s", plan.plan_id, _range(stage), exc)
+            self._set(FAILED, detail=str(exc) or type(exc).__name__)
+
+    async def _deploy_stage(
+        self, plan: PlanAssignment, stage: PlanStage, manifest: Manifest
+    ) -> None:
+        loaded = self.loaded
+        if loaded and (loaded.manifest.key, loaded.first, loaded.last) == (
+            manifest.key, stage.first, stage.last
+        ):
+            self._set(READY, detail="units already loaded")
+            return
+        units = manifest.units[stage.first : stage.last + 1]
+        paths = await self._unit_paths(plan.model_peer, units)
+        self._set(LOADING, detail=f"loading units {_range(stage)}")
+        self.loaded = None  # free the old stage's memory before loading the new one
+        executor = await asyncio.to_thread(
+            StageExecutor, _at_paths(manifest, paths), self.store.root, stage.first, stage.last
+        )
+        self.loaded = LoadedStage(manifest, stage.first, stage.last, executor)
+        log.info("plan %d: loaded units %s", plan.plan_id, _range(stage))
+        self._set(READY, detail=f"loaded units {_range(stage)}")
+
+    async def _unit_paths(self, model_peer: str, units: tuple[Unit, ...]) -> dict[int, Path]:
+        """Where each unit's model file is (its data file beside it), after fetching the
+        files this peer lacks into its store."""
+        paths: dict[int, Path] = {}
+        missing: dict[str, tuple[Unit, UnitFile]] = {}
+        local = self._local_files()
+        for unit in units:
+            if all(f.sha256 in local for f in unit.files):
+                paths[unit.index] = local[unit.model_file.sha256]
+                continue
+            paths[unit.index] = self.store.path(unit.model_file.content_name)
+            for file in unit.files:
+                if not await asyncio.to_thread(self.store.verify, file.content_name):
+                    missing[file.content_name] = (unit, file)
+        if missing:
+            await self._fetch(model_peer, list(missing.values()))
+        return paths
+
+    async def _fetch(self, model_peer: str, missing: list[tuple[Unit, UnitFile]]) -> None:
+        total = sum(file.bytes for _, file in missing)
+        self._set(FETCHING, total=total, detail=f"fetching {len(missing)} unit files")
+        ask = self._ask(model_peer)
+        for unit, file in missing:
+            await fetch_file(ask, self.store, file, self._chunk_bytes, self._fetched)
+            log.info("received %s of unit %d (%s, %d bytes); %d of %d bytes", file.content_name,
+                     unit.index, unit.name, file.bytes, self.progress.received, total)
+
+    def _fetched(self, name: str, have: int) -> None:
+        self._have[name] = have
+        self.progress.received = min(sum(self._have.values()), self.progress.total)
+        if time.monotonic() - self._reported_at >= REPORT_INTERVAL_S:
+            log.info("fetching unit files: %d of %d bytes", self.progress.received,
+                     self.progress.total)
+            self._send_report()
+
+    # -- reports -------------------------------------------------------------------------------
+
+    def _set(self, state: str, total: int | None = None, detail: str = "") -> None:
+        self.progress.state = state
+        self.progress.detail = detail
+        plan = self.assignment
+        self.ready_plan = plan.key if state == READY and plan is not None else None
+        if total is not None:
+            self.progress.total, self.progress.received = total, 0
+        self._send_report()
+
+    def _send_report(self) -> None:
+        plan = self.assignment
+        if plan is None:
+            return
+        self._reported_at = time.monotonic()
+        p = self.progress
+        self._report(DeployReport(plan.epoch, plan.plan_id, p.state, self.units, p.received,
+                                  p.total, p.detail))
+
+    def status(self) -> dict[str, Any]:
+        plan = self.assignment
+        return {
+            "plan_id": plan.plan_id if plan else None,
+            "epoch": plan.epoch if plan else None,
+            "units": list(self.units),
+            **dataclasses.asdict(self.progress),
+        }
+
+    def plan_document(self) -> dict[str, Any] | None:
+        """The current plan as `peerd status` shows it (DESIGN.md's contract); None until a
+        plan arrives, and while no peer serves a model there is nothing to plan."""
+        plan = self.assignment
+        if plan is None or plan.model is None:
+            return None
+        predicted = dataclasses.asdict(plan.predicted) if plan.predicted else None
+        return {
+            "id": plan.plan_id,
+            "epoch": plan.epoch,
+            "stages": [
+                {"peer": s.peer, "units": list(range(s.first, s.last + 1))} for s in plan.stages
+            ],
+            "objective": plan.objective,
+            "solver": plan.solver,
+            "predicted": predicted,
+            "model": plan.model,
+            "model_peer": plan.model_peer,
+            "problem": plan.problem,
+        }
+
+
+def _order(plan: PlanAssignment) -> tuple[int, int]:
+    return plan.epoch, plan.plan_id
+
+
+def _range(stage: PlanStage | None) -> str:
+    return "none" if stage is None else f"{stage.first}-{stage.last}"
+
+
+def _manifest(plan: PlanAssignment) -> Manifest | None:
+    if plan.manifest is None:
+        return None
+    try:
+        manifest = Manifest.from_dict(plan.manifest)
+    except ManifestError as exc:
+        raise ValueError(f"the plan's manifest is unusable: {exc}") from None
+    count = len(manifest.units)
+    if plan.stages and plan.stages[-1].last != count - 1:
+        raise ValueError(f"the plan covers units 0-{plan.stages[-1].last}, the model has {count}")
+    return manifest
+
+
+def _at_paths(manifest: Manifest, paths: Mapping[int, Path]) -> Manifest:
+    """The manifest with each unit's model file named by the absolute path it was found at
+    (an absolute name overrides the executor's unit directory)."""
+    units = tuple(_at_path(u, paths[u.index]) if u.index in paths else u for u in manifest.units)
+    return dataclasses.replace(manifest, units=units)
+
+
+def _at_path(unit: Unit, path: Path) -> Unit:
+    model = dataclasses.replace(unit.model_file, name=str(path.resolve()))
+    return dataclasses.replace(unit, files=(model, *unit.files[1:]))

@@ -1,0 +1,118 @@
+"""The model side of the peer started with `--model DIR|FILE.gguf`: shard it, then serve its
+units (peers receive units, never the checkpoint or the GGUF file).
+
+Sharding runs `peerd shard` in a child process: exporting needs torch, and the daemon process
+never imports it. The child writes into the state directory's content-addressed shard cache
+(`<state>/shards/<key>`), so a restart with the same model reuses the units at once. Its
+progress lines are logged as they come. Once done, every file of every unit (its model and its
+data file) is checked against the manifest's sha256 before it is served, so this peer never
+hands out a file that would fail verification on every receiver. `--quant` of `peerd start`
+is passed on to the child: every peer runs the units this one makes, so they all run the same
+quantisation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from peerd.control.unit_store import file_sha256
+from peerd.wire.protocol import ManifestOffer
+from shards.manifest import Manifest, ManifestError, Quant
+from shards.source import open_model
+
+log = logging.getLogger("peerd.control.model_host")
+
+SHARDING, READY, FAILED = "sharding", "ready", "failed"
+
+
+class ModelHost:
+    def __init__(self, model_dir: Path, state_dir: Path, quant: Quant = Quant.NONE):
+        self.model_dir = Path(model_dir)
+        self.quant = quant
+        self.name = open_model(self.model_dir).name
+        self._state_dir = Path(state_dir)
+        self.state = SHARDING
+        self.detail = "starting"
+        self.manifest: Manifest | None = None
+        self.files: Mapping[str, Path] = {}
+        self._process: asyncio.subprocess.Process | None = None
+
+    async def run(self) -> None:
+        """Shard the model (or reuse an earlier result) and get ready to serve it."""
+        try:
+            directory = await self._shard()
+            self.manifest = await asyncio.to_thread(_checked_manifest, directory)
+        except ShardingFailed as exc:
+            self.state, self.detail = FAILED, str(exc)
+            log.error("cannot serve model %s: %s", self.name, exc)
+            return
+        self.files = self.manifest.files_in(directory)
+        self.state = READY
+        self.detail = f"{len(self.manifest.units)} units in {directory}"
+        log.info("model %s ready: %s", self.name, self.detail)
+
+    async def _shard(self) -> Path:
+        log.info("sharding model %s (quant %s) in a child process", self.model_dir, self.quant)
+        self._process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "peerd", "shard", str(self.model_dir), "--json",
+            "--quant", self.quant.value,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "PEERD_STATE_DIR": str(self._state_dir)},
+        )
+        stdout, _ = await asyncio.gather(self._process.stdout.read(), self._follow_progress())
+        if await self._process.wait() != 0:
+            raise ShardingFailed(f"sharding failed: {self.detail}")
+        try:
+            return Path(json.loads(stdout)["directory"])
+        except (ValueError, KeyError, TypeError):
+            raise ShardingFailed("sharding printed no result") from None
+
+    async def _follow_progress(self) -> None:
+        while line := await self._process.stderr.readline():
+            text = line.decode(errors="replace").strip()
+            if text:
+                self.detail = text.removeprefix("shard: ").removeprefix("peerd: ")
+                log.info("sharding %s: %s", self.name, self.detail)
+
+    def offer(self, req: int, have: str | None) -> ManifestOffer:
+        """The answer to a manifest request; the manifest is left out when the asker has it."""
+        if self.manifest is None:
+            return ManifestOffer(req, self.name, self.state, self.detail, None, None)
+        key = self.manifest.key
+        content = None if have == key else self.manifest.to_dict()
+        return ManifestOffer(req, self.name, READY, self.detail, key, content)
+
+    async def close(self) -> None:
+        """Stop a sharding child that is still running."""
+        if self._process is not None and self._process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._process.kill()
+            await self._process.wait()
+
+
+class ShardingFailed(Exception):
+    """The model could not be sharded or its output is unusable; the message is one line."""
+
+
+def _checked_manifest(directory: Path) -> Manifest:
+    try:
+        manifest = Manifest.load(directory)
+    except ManifestError as exc:
+        raise ShardingFailed(str(exc)) from None
+    for unit in manifest.units:
+        for file in unit.files:
+            path = directory / file.name
+            if not path.is_file():
+                raise ShardingFailed(f"unit {unit.name}: {path} is missing")
+            if file_sha256(path) != file.sha256:
+                raise ShardingFailed(f"unit {unit.name}: {path} does not match its manifest "
+                                     f"(remove {directory} to shard the model again)")
+    return manifest

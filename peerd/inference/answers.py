@@ -1,0 +1,193 @@
+"""The head's answers: admission, and generations that outlive the plan they started on.
+
+Every chat the head accepts becomes one `Generation` here. It waits in a bounded line until
+a slot is free and the plan's K/V reserve has room for its tokens (prompt + max_tokens), then
+runs on the current data plane. When the plan changes (a rebalance, a new leader), the old
+plane is retired: at its next token boundary the answer moves to the new plane with its K/V
+(peerd/inference/dataplane.py) and continues there. Where the K/V cannot move (a peer lost), the
+answer keeps every token it has, waits for the next plane, and resumes there by re-prefilling its
+prompt and those tokens under a fresh sequence id. Either way the client sees one uninterrupted,
+unchanged answer. When no plan can serve (the model no longer fits), waiting answers end with the
+leader's reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from peerd.inference.dataplane import DataPlane, GenerationError, Limits, Moved, PlaneClosed
+from peerd.inference.pipeline import Generation
+from peerd.wire.protocol import SequenceStats
+from shards.sampling import SamplingParams
+
+log = logging.getLogger("peerd.inference.answers")
+
+
+class Busy(GenerationError):
+    """Every slot is taken and the waiting line is full."""
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop_ids: frozenset[int]
+    produced: tuple[int, ...] = ()  # tokens an earlier head already streamed to the client
+
+    @property
+    def kv_tokens(self) -> int:
+        """Positions of K/V the answer may hold at its longest."""
+        return len(self.prompt) + self.max_tokens
+
+
+@dataclass
+class Answered:
+    tokens: list[int]
+    stages: list[SequenceStats]
+    resumed: int  # times the answer moved to a new plan
+    kv_moved: int = 0  # of those, the moves that took its K/V along (the rest re-prefilled)
+
+
+@dataclass
+class _Serving:
+    """What the head serves with now: the plane, its K/V reserve in tokens, or why none."""
+
+    plane: DataPlane | None = None
+    kv_tokens: int = 0
+    problem: str | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Answers:
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        self._now = _Serving()
+        self._line: collections.deque[object] = collections.deque()
+        self._room = asyncio.Condition()
+        self._running = 0
+        self._reserved = 0  # K/V tokens reserved by running answers
+        self._tasks: set[asyncio.Task] = set()
+        # answers moved to a new plan since this peer started: with their K/V, re-prefilled
+        self._moved_with_kv = 0
+        self._re_prefilled = 0
+
+    # -- the plan ----------------------------------------------------------------------------
+    def use(self, plane: DataPlane | None, kv_tokens: int = 0, problem: str | None = None) -> None:
+        """Serve with `plane` from now on (None: no plane; `problem` says why, if known)."""
+        current = self._now
+        if (current.plane, current.kv_tokens, current.problem) == (plane, kv_tokens, problem):
+            return
+        current.changed.set()
+        self._now = _Serving(plane, kv_tokens, problem)
+        task = asyncio.get_running_loop().create_task(self._recheck_room())
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._tasks.discard)
+
+    @property
+    def plane(self) -> DataPlane | None:
+        return self._now.plane
+
+    async def _recheck_room(self) -> None:
+        async with self._room:
+            self._room.notify_all()
+
+    # -- answering ---------------------------------------------------------------------------
+    async def generate(self, request: Request, on_token: Callable[[int], None]) -> Answered:
+        """Run one request to completion, calling `on_token` with each new token."""
+        await self._admit(request)
+        try:
+            return await self._generate(request, on_token)
+        finally:
+            await self._release(request)
+
+    async def _generate(self, request: Request, on_token: Callable[[int], None]) -> Answered:
+        generation = Generation(uuid.uuid4().hex, request.prompt, request.max_tokens,
+                                request.stop_ids, tokens=list(request.produced))
+        resumed, kv_moved, left, plane = 0, 0, None, None
+        while not generation.finished:
+            if plane is None:
+                plane = await self._plane(avoid=left)
+            try:
+                stages = await plane.run(generation, request.params, on_token)
+                return Answered(generation.tokens, stages, resumed, kv_moved)
+            except Moved as moved:
+                log.info("answer %s moved to plan %s with its K/V after %d tokens",
+                         generation.seq_id, moved.plane.plan, len(generation.tokens))
+                generation.moved(moved.seq_id)
+                plane = moved.plane
+                kv_moved += 1
+                self._moved_with_kv += 1
+            except PlaneClosed:
+                log.info("answer %s moves to the next plan after %d tokens",
+                         generation.seq_id, len(generation.tokens))
+                generation.restart(uuid.uuid4().hex)
+                left, plane = plane, None
+                self._re_prefilled += 1
+            resumed += 1
+        return Answered(generation.tokens, [], resumed, kv_moved)
+
+    async def _plane(self, avoid: DataPlane | None = None) -> DataPlane:
+        """The plane to run on (not `avoid`, which failed the answer), waiting up to
+        `resume_wait_s` for one."""
+        deadline = time.monotonic() + self.limits.resume_wait_s
+        while True:
+            now = self._now
+            if now.plane is not None and not now.plane.closed and now.plane is not avoid:
+                return now.plane
+            if now.problem is not None:
+                raise GenerationError(now.problem)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GenerationError(
+                    f"no plan could serve for {self.limits.resume_wait_s:.0f}s; ask again"
+                )
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await now.changed.wait()
+
+    # -- admission ---------------------------------------------------------------------------
+    async def _admit(self, request: Request) -> None:
+        """Wait in line for a slot and K/V room; Busy when the line is full."""
+        limits = self.limits
+        if len(self._line) >= limits.max_waiting:
+            raise Busy(f"busy: {self._running} answers running and {len(self._line)} "
+                       "waiting; try again shortly")
+        ticket = object()
+        self._line.append(ticket)
+        try:
+            async with self._room:
+                await self._room.wait_for(lambda: self._turn(ticket, request))
+            self._running += 1
+            self._reserved += request.kv_tokens
+        finally:
+            self._line.remove(ticket)
+            await self._recheck_room()
+
+    def _turn(self, ticket: object, request: Request) -> bool:
+        reserve = self._now.kv_tokens
+        if reserve and request.kv_tokens > reserve:
+            raise GenerationError(
+                f"{request.kv_tokens} tokens (prompt + max_tokens) exceed the plan's K/V "
+                f"reserve of {reserve} tokens"
+            )
+        if self._line[0] is not ticket or self._running >= self.limits.max_sequences:
+            return False
+        return not reserve or self._reserved + request.kv_tokens <= reserve
+
+    async def _release(self, request: Request) -> None:
+        self._running -= 1
+        self._reserved -= request.kv_tokens
+        await self._recheck_room()
+
+    def status(self) -> dict[str, int]:
+        return {"running": self._running, "waiting": len(self._line),
+                "kv_reserved_tokens": self._reserved, "kv_reserve_tokens": self._now.kv_tokens,
+                "moved_with_kv": self._moved_with_kv, "re_prefilled": self._re_prefilled}

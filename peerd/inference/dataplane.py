@@ -1,0 +1,525 @@
+"""This peer's part in running one deployed plan over the network.
+
+Every peer in the plan runs one `StageWorker` (peerd/inference/pipeline.py) for its stage; the
+source peer, which holds unit 0, is also the head: it runs each answer's `Generation` step by step
+and receives the sampled tokens from the last stage. Messages travel on the transport's data
+channel: `StageData` along the routes (sequential to the next stage, residuals straight to their
+consumers), `SequenceOpen` from the head to the last stage before a sequence starts, `SequenceToken`
+back to the head, `SequenceStatsRequest` to every stage as an answer ends, `SequenceDrop` to every
+stage when a sequence ends, and `SequenceFailed` to the head when a stage cannot run a step.
+
+A plane serves one plan. During a plan change the old and the new plane serve side by side
+(each message names its plan). When the head retires the old plane for a new one, each
+answer running on it pauses at its next token boundary and its K/V moves: the head asks
+every stage of the old plan (`SequenceMove`) to send the K/V of its units to the peers that
+hold those units in the new plan (`SequenceState`, stored under a fresh sequence id), and
+once every stage has answered (`SequenceMoved`) the answer continues on the new plane with
+its next decode step (`Moved`). Where that cannot be done (a peer of the old plan is gone,
+the answer had not run a step yet) the answer gets `PlaneClosed` and re-prefills on the new
+plane (peerd/inference/answers.py). A retired plane frees every sequence's K/V it held.
+
+Units run on one compute thread per plane, so the event loop keeps serving heartbeats and
+messages of other sequences while a step runs. Everything else happens on the event loop; a
+step that finishes after its sequence ended has its fresh K/V dropped at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from peerd.inference.pipeline import Generation, StageWorker, StepDone, TokenSampler
+from peerd.inference.routing import routes
+from peerd.wire.protocol import (
+    SequenceDrop,
+    SequenceFailed,
+    SequenceMove,
+    SequenceMoved,
+    SequenceOpen,
+    SequenceOpened,
+    SequenceState,
+    SequenceStats,
+    SequenceStatsRequest,
+    SequenceToken,
+    StageData,
+)
+from peerd.wire.transport import Transport, TransportError
+from shards.executor import StageExecutor
+from shards.manifest import Manifest
+from shards.sampling import SamplingParams
+
+log = logging.getLogger("peerd.inference.dataplane")
+
+# Sequences that ended recently: late messages for them are ignored rather than reviving K/V.
+_ENDED_MEMORY = 4096
+STATS_TIMEOUT_S = 2.0
+
+
+class GenerationError(Exception):
+    """A sequence that could not be completed; the message is one line for the client."""
+
+
+class PlaneClosed(Exception):
+    """The plane was retired while the answer ran on it: continue on the next plan."""
+
+
+class PlanBroken(PlaneClosed):
+    """A peer of the plan cannot be reached: continue on the next plan, which the leader
+    makes once it notices the peer gone."""
+
+
+class Moved(PlaneClosed):
+    """The answer's K/V moved to `plane` under `seq_id`: continue there, no re-prefill."""
+
+    def __init__(self, plane: DataPlane, seq_id: str) -> None:
+        super().__init__(f"moved to plan {plane.plan}")
+        self.plane, self.seq_id = plane, seq_id
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_sequences: int = 8  # running at once
+    max_waiting: int = 32  # admitted to wait for a slot; beyond that, Busy
+    send_timeout_s: float = 10.0
+    stall_s: float = 60.0  # no token for this long ends an answer: the plan stopped working
+    resume_wait_s: float = 60.0  # an answer whose plan went away waits this long for the next
+
+
+@dataclass
+class _Running:
+    generation: Generation
+    on_token: Callable[[int], None]
+    done: asyncio.Future
+    active_at: float
+    paused: bool = False  # stopped at a token boundary, to move to the handover plane
+
+
+@dataclass
+class _SequenceCost:
+    """What one sequence cost this stage (answered to the head's SequenceStatsRequest)."""
+
+    steps: int = 0
+    compute_s: float = 0.0
+    transfer_s: float = 0.0
+    sequential_bytes: int = 0
+    residual_bytes: int = 0
+
+    def add(self, done: StepDone) -> None:
+        self.steps += 1
+        self.compute_s += done.compute_s
+        self.sequential_bytes += done.sequential_bytes
+        self.residual_bytes += done.residual_bytes
+
+
+class DataPlane:
+    def __init__(
+        self,
+        self_id: str,
+        transport: Transport,
+        stages: list[tuple[str, int, int]],
+        manifest: Manifest,
+        executor: StageExecutor,
+        fp16_wire: bool = False,
+        limits: Limits | None = None,
+        plan: str = "local",
+        siblings: Mapping[str, DataPlane] | None = None,
+    ) -> None:
+        self.plan = plan
+        self.peers = [peer for peer, _, _ in stages]
+        self.ranges = [(first, last) for _, first, last in stages]
+        self.me = self_id
+        self.stage = self.peers.index(self_id)
+        stage_routes = routes(manifest, [(first, last) for _, first, last in stages])
+        self.worker = StageWorker(self.stage, executor, stage_routes[self.stage], fp16_wire, plan)
+        self.transport = transport
+        self.limits = limits or Limits()
+        self.sampler = TokenSampler()
+        self.closed = False
+        self._running: dict[str, _Running] = {}
+        self._live: set[str] = set()  # sequences whose K/V this plane may hold
+        self._costs: dict[str, _SequenceCost] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{self.stage}")
+        self._tasks: set[asyncio.Task] = set()
+        # this peer's planes by plan key, where K/V moving here is stored
+        self._siblings = {} if siblings is None else siblings
+        self._handover: DataPlane | None = None  # the head's plane answers move to
+        self._quiet = asyncio.Event()  # set whenever an answer or a sequence ends here
+        self._computing: set[str] = set()  # sequences with a step on the compute thread
+
+    @property
+    def is_head(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == len(self.peers) - 1
+
+    def owns(self, seq_id: str) -> bool:
+        """Whether this plane runs, or holds state of, the sequence."""
+        return seq_id in self._running or seq_id in self._live or seq_id in self.sampler
+
+    # -- the head's side ---------------------------------------------------------------------
+    async def run(
+        self, generation: Generation, params: SamplingParams, on_token: Callable[[int], None]
+    ) -> list[SequenceStats]:
+        """Run `generation` until it finishes, calling `on_token` with each new token; the
+        stages' costs of the sequence come back.
+
+        Raises PlaneClosed when the plane is retired first, GenerationError when a stage
+        fails or no token comes for `stall_s`. Cancelling the caller ends the sequence on
+        every peer.
+        """
+        if not self.is_head:
+            raise GenerationError("this peer is not the head of the plan")
+        if self.closed:
+            raise PlaneClosed
+        seq_id = generation.seq_id
+        loop = asyncio.get_running_loop()
+        running = _Running(generation, on_token, loop.create_future(), time.monotonic())
+        self._running[seq_id] = running
+        try:
+            await self._open(seq_id, params, len(generation.tokens))
+            if not running.done.done():
+                self._next_step(running)
+            await self._until_done(running)
+            if running.paused:
+                raise await self._move(generation)
+            return await self._costs_of(seq_id)
+        finally:
+            self._running.pop(seq_id, None)
+            self._end(seq_id)
+            self._quiet.set()
+
+    async def _open(self, seq_id: str, params: SamplingParams, skip: int) -> None:
+        if self.is_last:
+            self.sampler.open(seq_id, params, skip)
+            return
+        ask = SequenceOpen(0, self.plan, seq_id, params.temperature, params.top_k, params.top_p,
+                           params.seed, skip)
+        try:
+            answer = await self.transport.request(self.peers[-1], ask, self.limits.send_timeout_s)
+        except TransportError as exc:
+            raise PlanBroken(f"the last stage did not answer: {exc}") from None
+        if answer.error:
+            raise GenerationError(answer.error)
+
+    async def _until_done(self, running: _Running) -> None:
+        stall = self.limits.stall_s
+        while True:
+            waited = time.monotonic() - running.active_at
+            try:
+                await asyncio.wait_for(asyncio.shield(running.done), max(stall - waited, 0.0))
+                return
+            except TimeoutError:
+                if time.monotonic() - running.active_at >= stall:
+                    raise GenerationError(
+                        f"no token for {stall:.0f}s: a peer of the plan stopped answering"
+                    ) from None
+
+    def _next_step(self, running: _Running) -> None:
+        if self._handover is not None:
+            running.paused = True
+            running.done.set_result(None)
+            return
+        step, inputs = running.generation.step_inputs()
+        self._spawn(self._run(running.generation.seq_id, step, inputs))
+
+    def _on_token(self, seq_id: str, step: int, token: int) -> None:
+        running = self._running.get(seq_id)
+        if running is None or running.done.done():
+            return  # cancelled or retired meanwhile
+        try:
+            finished = running.generation.record(step, token)
+        except ValueError as exc:
+            self._fail(seq_id, str(exc))
+            return
+        running.active_at = time.monotonic()
+        running.on_token(token)
+        if finished:
+            running.done.set_result(None)
+        else:
+            self._next_step(running)
+
+    def _fail(self, seq_id: str, reason: str) -> None:
+        running = self._running.get(seq_id)
+        if running is not None and not running.done.done():
+            running.done.set_exception(GenerationError(reason))
+
+    async def _costs_of(self, seq_id: str) -> list[SequenceStats]:
+        """Each stage's cost of the sequence, in stage order (empty where one did not say)."""
+        asks = [self._stage_cost(peer, seq_id) for peer in self.peers[1:]]
+        others = await asyncio.gather(*asks)
+        return [self._cost_here(0, seq_id), *(s for s in others if s is not None)]
+
+    async def _stage_cost(self, peer: str, seq_id: str) -> SequenceStats | None:
+        try:
+            return await self.transport.request(
+                peer, SequenceStatsRequest(0, seq_id), STATS_TIMEOUT_S
+            )
+        except TransportError as exc:
+            log.info("no statistics of %s from %s: %s", seq_id, peer, exc)
+            return None
+
+    def _cost_here(self, req: int, seq_id: str) -> SequenceStats:
+        cost = self._costs.get(seq_id, _SequenceCost())
+        return SequenceStats(req, cost.steps, cost.compute_s, cost.transfer_s,
+                             cost.sequential_bytes, cost.residual_bytes, self.worker.fp16_wire)
+
+    async def _move(self, generation: Generation) -> PlaneClosed:
+        """Move a paused answer's K/V to the handover plane: Moved, or PlaneClosed (the
+        answer re-prefills) when that fails."""
+        target = self._handover
+        if target is None or generation.cached == 0:
+            return PlaneClosed()  # no K/V yet: the new plane's first step is the prefill
+        ask = SequenceMove(0, self.plan, generation.seq_id, target.plan, uuid.uuid4().hex,
+                           target.holders())
+        moves = [self.send_state(ask) if peer == self.me else self._asked(peer, ask)
+                 for peer in self.peers]
+        errors = [e for e in await asyncio.gather(*moves) if e]
+        if errors:
+            log.warning("answer %s re-prefills on plan %s: %s", generation.seq_id, target.plan,
+                        "; ".join(errors))
+            target._end(ask.to_seq_id)  # free what did arrive
+            return PlaneClosed()
+        return Moved(target, ask.to_seq_id)
+
+    async def _asked(self, peer: str, request: SequenceMove | SequenceState) -> str | None:
+        """Ask `peer` to move or store a sequence's K/V: None, or why it could not."""
+        try:
+            answer = await self.transport.request(peer, request, self.limits.send_timeout_s)
+        except TransportError as exc:
+            return str(exc)
+        return answer.error
+
+    def _end(self, seq_id: str) -> None:
+        """Free the sequence here and on every other stage."""
+        self._forget(seq_id)
+        for peer in self.peers[1:]:
+            self.transport.send(peer, SequenceDrop(seq_id))
+
+    # -- every stage's side ------------------------------------------------------------------
+    def handle(self, sender: str, message: Any, reply: Callable[[Any], None]) -> None:
+        """A data-plane message from `sender` (a peer id the transport authenticated)."""
+        if sender not in self.peers and not isinstance(message, SequenceState):
+            # K/V may come from a peer that leaves the plan along with its units
+            log.warning("dropped %s from %s: not in plan %s", message.KIND, sender, self.plan)
+            return
+        if getattr(message, "plan", self.plan) != self.plan:
+            log.warning("dropped %s of plan %s: this is plan %s", message.KIND, message.plan,
+                        self.plan)
+        elif isinstance(message, SequenceOpen):
+            self._on_open(message, reply)
+        elif isinstance(message, SequenceStatsRequest):
+            reply(self._cost_here(message.req, message.seq_id))
+        elif isinstance(message, SequenceMove):
+            self._spawn(self._on_move(message, reply))
+        elif isinstance(message, SequenceState):
+            reply(SequenceMoved(message.req, self.store_state(message)))
+        elif getattr(message, "seq_id", None) in self._ended:
+            return
+        elif isinstance(message, StageData):
+            self._on_stage_data(self.peers.index(sender), message)
+        elif isinstance(message, (SequenceToken, SequenceFailed)) and self.is_head and (
+            message.seq_id not in self._running
+        ):
+            self._end(message.seq_id)  # a sequence no answer runs: free it on every stage
+        elif isinstance(message, SequenceToken) and self.is_head:
+            self._on_token(message.seq_id, message.step, message.token)
+        elif isinstance(message, SequenceFailed) and self.is_head:
+            self._fail(message.seq_id, message.reason)
+        elif isinstance(message, SequenceDrop):
+            self._forget(message.seq_id)
+        else:
+            log.warning("dropped %s from %s: not for stage %d", message.KIND, sender, self.stage)
+
+    async def _on_move(self, message: SequenceMove, reply: Callable[[Any], None]) -> None:
+        reply(SequenceMoved(message.req, await self.send_state(message)))
+
+    async def send_state(self, move: SequenceMove) -> str | None:
+        """Send this stage's K/V of the sequence to the peers that hold the same units in
+        the plan it moves to: None, or why that could not be done."""
+        executor = self.worker.executor
+        if executor.last >= len(move.holders):
+            return f"stage {self.stage}: plan {move.to_plan} has fewer units"
+        parts: dict[str, tuple[list[int], dict]] = {}
+        try:
+            for unit in range(executor.first, executor.last + 1):
+                units, tensors = parts.setdefault(move.holders[unit], ([], {}))
+                units.append(unit)
+                tensors.update(executor.export_state(move.seq_id, unit))
+        except KeyError as exc:
+            return f"stage {self.stage}: {exc.args[0]}"
+        states = [(peer, SequenceState(0, move.to_plan, move.to_seq_id, (*units,), tensors))
+                  for peer, (units, tensors) in parts.items()]
+        errors = [e for e in await asyncio.gather(*(self._store_at(*s) for s in states)) if e]
+        return "; ".join(errors) or None
+
+    async def _store_at(self, peer: str, state: SequenceState) -> str | None:
+        if peer != self.me:
+            return await self._asked(peer, state)
+        target = self._siblings.get(state.plan)
+        if target is None:
+            return f"plan {state.plan} is not loaded on {peer}"
+        return target.store_state(state)
+
+    def holders(self) -> tuple[str, ...]:
+        """The peer that runs each unit in this plan, by unit index."""
+        return tuple(peer for peer, (first, last) in zip(self.peers, self.ranges, strict=True)
+                     for _ in range(first, last + 1))
+
+    def store_state(self, state: SequenceState) -> str | None:
+        """Install K/V moved here from another plan; None, or why it was refused."""
+        if self.closed or state.seq_id in self._ended:
+            return f"stage {self.stage} of plan {self.plan} no longer runs {state.seq_id}"
+        executor = self.worker.executor
+        try:
+            for unit in state.units:
+                executor.import_state(state.seq_id, unit, state.tensors)
+        except (KeyError, ValueError) as exc:
+            self.worker.drop(state.seq_id)
+            return f"stage {self.stage}: {exc}"
+        self._live.add(state.seq_id)
+        return None
+
+    def _on_open(self, message: SequenceOpen, reply: Callable[[Any], None]) -> None:
+        try:
+            params = SamplingParams(message.temperature, message.top_k, message.top_p, message.seed)
+            if message.skip < 0:
+                raise ValueError(f"skip must be >= 0, not {message.skip}")
+        except ValueError as exc:
+            reply(SequenceOpened(message.req, error=str(exc)))
+            return
+        if not self.is_last:
+            reply(SequenceOpened(message.req, error=f"stage {self.stage} does not sample"))
+            return
+        self.sampler.open(message.seq_id, params, message.skip)
+        reply(SequenceOpened(message.req))
+
+    def _on_stage_data(self, source: int, message: StageData) -> None:
+        if self.closed:
+            return
+        try:
+            inputs = self.worker.accept(source, message)
+        except ValueError as exc:
+            log.warning("dropped stage data: %s", exc)
+            self._spawn(self._report_failure(message.seq_id, str(exc)))
+            return
+        if inputs is not None:
+            self._spawn(self._run(message.seq_id, message.step, inputs))
+
+    async def _run(self, seq_id: str, step: int, inputs: dict) -> None:
+        loop = asyncio.get_running_loop()
+        self._live.add(seq_id)
+        self._computing.add(seq_id)
+        try:
+            done = await loop.run_in_executor(self._compute, self.worker.run, seq_id, step, inputs)
+        except Exception as exc:  # ONNX Runtime's errors derive from Exception alone
+            await self._report_failure(seq_id, f"stage {self.stage}, step {step}: {exc}")
+            return
+        finally:
+            self._computing.discard(seq_id)
+        if seq_id in self._ended or self.closed:
+            self.worker.drop(seq_id)
+            return
+        cost = self._costs.setdefault(seq_id, _SequenceCost())
+        cost.add(done)
+        started = time.perf_counter()
+        try:
+            for out in done.outgoing:
+                await self.transport.deliver(
+                    self.peers[out.target], out.message, self.limits.send_timeout_s
+                )
+        except TransportError as exc:
+            self._lost_peer(seq_id, f"stage {self.stage}, step {step}: {exc}")
+            return
+        cost.transfer_s += time.perf_counter() - started
+        if done.logits is not None:
+            if seq_id not in self.sampler:  # a step of a sequence the head never opened
+                self.worker.drop(seq_id)
+                await self._report_failure(seq_id, f"stage {self.stage}: {seq_id} was not opened")
+                return
+            await self._emit_token(seq_id, step, self.sampler.sample(seq_id, done.logits))
+
+    async def _emit_token(self, seq_id: str, step: int, token: int) -> None:
+        if self.is_head:
+            self._on_token(seq_id, step, token)
+            return
+        message = SequenceToken(seq_id, step, token)
+        try:
+            await self.transport.deliver(self.peers[0], message, self.limits.send_timeout_s)
+        except TransportError as exc:
+            log.warning("could not return a token of %s: %s", seq_id, exc)
+
+    def _lost_peer(self, seq_id: str, reason: str) -> None:
+        """A peer of the plan is unreachable: the answer waits for the next plan rather
+        than failing (on another stage it stalls until the head moves it over)."""
+        log.warning("sequence %s: %s", seq_id, reason)
+        running = self._running.get(seq_id)
+        if running is not None and not running.done.done():
+            running.done.set_exception(PlanBroken(reason))
+
+    async def _report_failure(self, seq_id: str, reason: str) -> None:
+        if self.closed:
+            return
+        log.warning("sequence %s failed: %s", seq_id, reason)
+        if self.is_head:
+            self._fail(seq_id, reason)
+            return
+        self.transport.send(self.peers[0], SequenceFailed(seq_id, reason))
+
+    def _forget(self, seq_id: str) -> None:
+        self._ended[seq_id] = None
+        while len(self._ended) > _ENDED_MEMORY:
+            self._ended.popitem(last=False)
+        self._live.discard(seq_id)
+        self._costs.pop(seq_id, None)
+        self.sampler.close(seq_id)
+        self.worker.drop(seq_id)
+        self._quiet.set()
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def retire(self, handover: DataPlane | None, wait_s: float) -> None:
+        """Close the plane once its answers and sequences are done, waiting at most
+        `wait_s`. On the head, running answers stop at their next token boundary and move
+        with their K/V to `handover` (None: they re-prefill on the next plan)."""
+        self._handover = handover if self.is_head else None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                while self._running or self._live:
+                    self._quiet.clear()
+                    await self._quiet.wait()
+        await self.close()
+
+    async def close(self) -> None:
+        """Retire the plane: running answers get PlaneClosed, and every sequence's state
+        here is freed (the executor may live on in the next plan's plane)."""
+        if self.closed:
+            return
+        self.closed = True
+        # a step cancelled below still finishes on the compute thread and stores K/V, even
+        # for a sequence already dropped: drop those again once the thread is done
+        computing = set(self._computing)
+        for running in self._running.values():
+            if not running.done.done():
+                running.done.set_exception(PlaneClosed())
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.get_running_loop().run_in_executor(None, self._compute.shutdown, True)
+        for seq_id in list(self._live | set(self._running) | computing):
+            self._forget(seq_id)
+

@@ -1,0 +1,519 @@
+"""Serving chats: the local API's `chat` op, answered on the head or forwarded to it.
+
+The head (the peer holding unit 0 and the tokenizer) turns a chat request into prompt ids
+(the chat template for `messages`, or `prompt_ids` as given), runs it through its
+`Answers` (peerd/inference/answers.py), and streams one event per token, then a `done` event with
+the token ids, the text and the answer's statistics. A request typed on any other peer's
+socket is forwarded to the head (`ChatRequest`) and its events relayed back (`ChatEvent`);
+if that client goes away the head is told (`ChatCancel`) and the answer ends on every peer.
+If the head itself goes away mid-answer, the forwarding peer asks the next head to resume
+it: the same request with the tokens already streamed (`resume_ids`), which the new head
+re-prefills and continues from.
+
+`Serving` keeps one `DataPlane` per plan this peer has loaded a stage of. A new plan's plane
+is built as soon as its units are loaded, while the old one keeps answering; once the
+leader's report shows every stage of the new plan loaded, the head moves its answers over
+and every peer retires the older planes (peerd/inference/answers.py says how answers move).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from peerd.control.deploy import LoadedStage
+from peerd.control.planning import context_for
+from peerd.errors import PeerdError
+from peerd.inference.answers import Answered, Answers, Request
+from peerd.inference.dataplane import DataPlane, GenerationError, Limits
+from peerd.wire.protocol import (
+    ChatCancel,
+    ChatEvent,
+    ChatRequest,
+    PeerFigures,
+    PlanAssignment,
+)
+from peerd.wire.transport import Transport, TransportError
+from shards.errors import ModelError, NoTokenizer
+from shards.manifest import Manifest
+from shards.sampling import SamplingParams
+from shards.tokenizer import TextStream, Tokenizer
+
+log = logging.getLogger("peerd.inference.serving")
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+# A forwarded chat whose head sends nothing for this long is ended with an error.
+HEAD_SILENCE_S = 60.0
+# A peer may forward a chat here as soon as the leader's report names this peer the head,
+# before that report reaches this peer; the chat waits this long for it.
+HEAD_TAKEOVER_S = 10.0
+RELAY_TIMEOUT_S = 10.0
+# A retired plan's plane keeps serving this long at most while its answers move to the new
+# plan with their K/V (each at its next token boundary).
+HANDOVER_S = 10.0
+MAX_CHAT_TOKENS = 8192
+MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; the model refuses ids past its own
+MAX_SEED = 2**64 - 1  # the largest seed SequenceOpen carries (msgpack integers)
+
+
+@dataclass(frozen=True)
+class ChatBody:
+    """A validated chat request."""
+
+    prompt_ids: list[int] | None
+    messages: list[dict[str, str]] | None
+    prompt: str | None  # plain text, encoded without the chat template
+    max_tokens: int
+    params: SamplingParams
+    produced: tuple[int, ...] = ()  # resume_ids: tokens an earlier head already streamed
+
+
+def parse_chat(request: dict[str, Any]) -> ChatBody:
+    """The chat request in `request`, or PeerdError naming what is wrong with it."""
+    prompt_ids, messages = request.get("prompt_ids"), request.get("messages")
+    prompt = request.get("prompt")
+    if [prompt_ids, messages, prompt].count(None) != 2:
+        raise PeerdError('a chat needs exactly one of "prompt_ids", "messages" and "prompt"')
+    if prompt is not None and not (isinstance(prompt, str) and prompt):
+        raise PeerdError('"prompt" must be a non-empty string')
+    if prompt_ids is not None and not (prompt_ids and _token_ids(prompt_ids)):
+        raise PeerdError('"prompt_ids" must be a non-empty list of integers, token ids >= 0')
+    if messages is not None and not (
+        isinstance(messages, list)
+        and messages
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    ):
+        raise PeerdError('"messages" must be a non-empty list of {"role", "content"} strings')
+    max_tokens = request.get("max_tokens", 32)
+    if type(max_tokens) is not int or not 1 <= max_tokens <= MAX_CHAT_TOKENS:
+        raise PeerdError(f'"max_tokens" must be an integer from 1 to {MAX_CHAT_TOKENS}')
+    try:
+        params = SamplingParams(
+            float(request.get("temperature", 0.0)),
+            int(request.get("top_k", 0)),
+            float(request.get("top_p", 1.0)),
+            int(request.get("seed", 0)),
+        )
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise PeerdError(f"bad sampling settings: {exc}") from None
+    if not 0 <= params.seed <= MAX_SEED:
+        raise PeerdError(f"bad sampling settings: seed must be from 0 to {MAX_SEED}")
+    produced = request.get("resume_ids", [])
+    if not _token_ids(produced):
+        raise PeerdError('"resume_ids" must be a list of integers, token ids >= 0')
+    if len(produced) >= max_tokens:
+        raise PeerdError('"resume_ids" must be shorter than "max_tokens"')
+    return ChatBody(prompt_ids, messages, prompt, max_tokens, params, tuple(produced))
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in value
+    )
+
+
+@dataclass(frozen=True)
+class Head:
+    """What the head needs to answer: its answers and the model's tokenizer and limits."""
+
+    answers: Answers
+    tokenizer: Tokenizer | None
+    stop_ids: frozenset[int]
+    max_positions: int
+    model_key: str = ""
+
+
+class ChatService:
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.head: Head | None = None  # set on the head peer while a plan is deployed
+        self.head_peer: str | None = None  # where to forward chats typed here
+        self.problem: str | None = None  # why no plan serves, when the leader says so
+        self.head_changed = asyncio.Event()  # set (and replaced) when head_peer or problem change
+        self._forwarded: dict[str, asyncio.Task] = {}  # on the head: chats asked by peers
+        self._asked: dict[str, asyncio.Queue] = {}  # here: events of chats we forwarded
+
+    # -- the local API op --------------------------------------------------------------------
+    async def op_chat(self, request: dict[str, Any], send: Send) -> None:
+        body = parse_chat(request)
+        if self.head is not None:
+            await self.answer(body, send)
+        elif self.head_peer is not None:
+            await self._forward({k: v for k, v in request.items() if k != "op"}, send)
+        else:
+            raise PeerdError(self.problem or "no model is deployed yet (see peerd status)")
+
+    async def answer(self, body: ChatBody, send: Send) -> None:
+        """Answer on this peer, the head; streams token events, then the done event."""
+        head = self.head
+        if head is None:
+            raise PeerdError("this peer is no longer the head; ask again")
+        prompt = self._prompt_ids(head, body)
+        text = TextStream(head.tokenizer)
+        for token in body.produced:
+            text.add(token)
+        events: asyncio.Queue = asyncio.Queue()
+        token_times: list[float] = []
+        started = time.perf_counter()
+
+        def on_token(token: int) -> None:
+            token_times.append(time.perf_counter())
+            events.put_nowait({"event": "token", "token": token, "text": text.add(token)})
+
+        request = Request(prompt, body.params, body.max_tokens, head.stop_ids, body.produced)
+        generation = asyncio.create_task(head.answers.generate(request, on_token))
+        generation.add_done_callback(lambda _: events.put_nowait(None))
+        try:
+            while (event := await events.get()) is not None:
+                await send(event)
+            answered = generation.result()
+        except GenerationError as exc:
+            raise PeerdError(str(exc)) from None
+        finally:
+            generation.cancel()
+        stats = _stats(answered, len(prompt), started, token_times)
+        await send({"event": "done", "ok": True, "token_ids": answered.tokens,
+                    "text": text.text, "stats": stats})
+
+    def _prompt_ids(self, head: Head, body: ChatBody) -> list[int]:
+        if body.prompt_ids is not None:
+            prompt = body.prompt_ids
+        elif head.tokenizer is None:
+            raise PeerdError("this model has no tokenizer: send prompt_ids")
+        elif body.prompt is not None:
+            prompt = head.tokenizer.encode(body.prompt)
+            if not prompt:
+                raise PeerdError("the prompt encodes to no tokens")
+        else:
+            try:
+                prompt = head.tokenizer.conversation_ids(body.messages)
+            except ModelError as exc:
+                raise PeerdError(str(exc)) from None
+        if len(prompt) + body.max_tokens > head.max_positions:
+            raise PeerdError(
+                f"{len(prompt)} prompt tokens + {body.max_tokens} new tokens exceed the "
+                f"model's {head.max_positions} positions"
+            )
+        return prompt
+
+    # -- forwarding --------------------------------------------------------------------------
+    def set_head_peer(self, peer: str | None, problem: str | None = None) -> None:
+        """Where chats typed here go from now on (None: nowhere, `problem` says why)."""
+        if (peer, problem) != (self.head_peer, self.problem):
+            self.head_peer, self.problem = peer, problem
+            self.head_changed.set()
+            self.head_changed = asyncio.Event()
+
+    async def _forward(self, body: dict[str, Any], send: Send) -> None:
+        """Relay the head's answer; if the head changes mid-answer, resume on the next one."""
+        streamed: list[int] = []
+        while True:
+            head = self.head_peer
+            if head is None:
+                raise PeerdError(self.problem or "the head went away and no plan replaced it")
+            asked = {**body, "resume_ids": list(streamed)} if streamed else body
+            if self.head is not None:  # this peer became the head
+                await self.answer(parse_chat(asked), send)
+                return
+            if await self._ask_head(head, asked, send, streamed):
+                return
+            log.info("the head moved from %s to %s; resuming after %d tokens", head,
+                     self.head_peer, len(streamed))
+
+    async def _ask_head(self, head: str, body: dict[str, Any], send: Send,
+                        streamed: list[int]) -> bool:
+        """Relay one head's events; False when that head was replaced before the answer
+        ended (the tokens relayed so far are in `streamed`)."""
+        chat_id = uuid.uuid4().hex
+        queue: asyncio.Queue = asyncio.Queue()
+        self._asked[chat_id] = queue
+        finished = False
+        try:
+            try:
+                await self.transport.deliver(head, ChatRequest(chat_id, body), RELAY_TIMEOUT_S)
+            except TransportError as exc:
+                raise PeerdError(f"cannot reach the head: {exc}") from None
+            while not finished:
+                event = await self._next_event(queue, head)
+                if event is None:
+                    return False
+                finished = event.get("event") == "done" or event.get("ok") is False
+                if event.get("event") == "token":
+                    streamed.append(event["token"])
+                await send(event)
+            return True
+        finally:
+            self._asked.pop(chat_id, None)
+            if not finished:
+                self.transport.send(head, ChatCancel(chat_id))
+
+    async def _next_event(self, queue: asyncio.Queue, head: str) -> dict[str, Any] | None:
+        """The head's next event, or None once another head replaced it."""
+        deadline = time.monotonic() + HEAD_SILENCE_S
+        while self.head_peer == head:
+            changed = asyncio.ensure_future(self.head_changed.wait())
+            get = asyncio.ensure_future(queue.get())
+            left = deadline - time.monotonic()
+            await asyncio.wait({changed, get}, timeout=max(left, 0),
+                               return_when=asyncio.FIRST_COMPLETED)
+            changed.cancel()
+            if get.done():
+                return get.result()
+            get.cancel()
+            if time.monotonic() >= deadline:
+                raise PeerdError(f"the head sent nothing for {HEAD_SILENCE_S:.0f}s")
+        if self.head_peer is None:
+            raise PeerdError(self.problem or "the head went away and no plan replaced it")
+        return None
+
+    def handle(self, sender: str, message: Any) -> None:
+        """A chat message from peer `sender`."""
+        if isinstance(message, ChatRequest):
+            self._answer_for(sender, message)
+        elif isinstance(message, ChatEvent):
+            queue = self._asked.get(message.chat_id)
+            if queue is not None:
+                queue.put_nowait(message.event)
+        elif isinstance(message, ChatCancel):
+            task = self._forwarded.get(message.chat_id)
+            if task is not None:
+                task.cancel()
+
+    def _answer_for(self, sender: str, message: ChatRequest) -> None:
+        async def relay(event: dict[str, Any]) -> None:
+            await self.transport.deliver(sender, ChatEvent(message.chat_id, event),
+                                         RELAY_TIMEOUT_S)
+
+        async def run() -> None:
+            try:
+                await self._until_head(HEAD_TAKEOVER_S)
+                await self.answer(parse_chat(message.body), relay)
+            except PeerdError as exc:
+                with contextlib.suppress(TransportError):
+                    await relay({"ok": False, "error": str(exc)})
+            except TransportError:
+                pass  # the asking peer is gone; its answer ended with the cancellation above
+            finally:
+                self._forwarded.pop(message.chat_id, None)
+
+        self._forwarded[message.chat_id] = asyncio.get_running_loop().create_task(run())
+
+    async def _until_head(self, wait_s: float) -> None:
+        """Return once this peer is the head, or after `wait_s` (answer() then says why)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                while self.head is None:
+                    await self.head_changed.wait()
+
+    async def close(self) -> None:
+        tasks = list(self._forwarded.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _stats(answered: Answered, prompt_tokens: int, started: float, times: list[float]) -> dict:
+    decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
+    stages = [
+        {"stage": index, **{k: v for k, v in dataclasses.asdict(cost).items() if k != "req"}}
+        for index, cost in enumerate(answered.stages)
+    ]
+    return {
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": len(times),
+        "time_to_first_token_s": round(times[0] - started, 6) if times else None,
+        "tokens_per_second": round((len(times) - 1) / decode_s, 3) if decode_s else None,
+        "total_s": round(time.perf_counter() - started, 6),
+        "resumed": answered.resumed,
+        "kv_moved": answered.kv_moved,
+        "fp16_wire": any(stage["fp16_wire"] for stage in stages),
+        "sequential_bytes": sum(stage["sequential_bytes"] for stage in stages),
+        "residual_bytes": sum(stage["residual_bytes"] for stage in stages),
+        "stages": stages,
+    }
+
+
+def plane_of(planes: dict[str, DataPlane], message: Any) -> DataPlane | None:
+    """The plane a data message belongs to: the one its plan names, else the one that runs
+    its sequence, else the newest."""
+    plan = getattr(message, "plan", None)
+    if plan is not None:
+        return planes.get(plan)
+    seq_id = getattr(message, "seq_id", None)
+    owner = next((p for p in planes.values() if p.owns(seq_id)), None)
+    return owner or next(reversed(planes.values()), None)
+
+
+def plan_active(plan: PlanAssignment | None, figures: tuple[PeerFigures, ...] | None) -> bool:
+    """Whether the leader's latest report shows every stage peer ready with this plan."""
+    if plan is None or not plan.stages or figures is None:
+        return False
+    ready = {f.id: f.plan for f in figures}
+    return all(ready.get(stage.peer) == plan.key for stage in plan.stages)
+
+
+class Serving:
+    """The data planes and chat service of the plans this peer has a stage in."""
+
+    def __init__(self, me: str, transport: Transport, model_dir: Path | None,
+                 limits: Limits | None = None, fp16_wire: bool = False) -> None:
+        self.me = me
+        self.transport = transport
+        self.model_dir = model_dir
+        self.limits = limits or Limits()
+        self.fp16_wire = fp16_wire
+        self.chat = ChatService(transport)
+        self.answers = Answers(self.limits)
+        self.planes: dict[str, DataPlane] = {}  # by plan key, oldest first
+        self._retired: set[asyncio.Task] = set()
+        self._retiring: set[str] = set()  # plan keys of planes closing once answers moved
+        self._stage_mark: tuple[str, int, float] | None = None
+        self._stage_s: float | None = None
+
+    @property
+    def plane(self) -> DataPlane | None:
+        """The newest plane."""
+        return next(reversed(self.planes.values()), None)
+
+    def refresh(self, plan: PlanAssignment | None, loaded: LoadedStage | None,
+                figures: tuple[PeerFigures, ...] | None) -> None:
+        if plan is None:
+            return
+        if not plan.stages:
+            self._retire_all_but(None)
+            self.chat.head = None
+            self.chat.set_head_peer(None, plan.problem)
+            self.answers.use(None, problem=plan.problem)
+            return
+        plane = self._plane_for(plan, loaded)
+        if not plan_active(plan, figures):
+            return  # the older plans keep answering until this one is ready everywhere
+        alive = {f.id for f in figures}
+        self.chat.set_head_peer(plan.stages[0].peer)
+        if plane is not None and plane.is_head:
+            self.answers.use(plane, context_for(loaded.manifest))
+            if self.chat.head is None or self.chat.head.model_key != loaded.manifest.key:
+                self.chat.head = self._head(loaded.manifest)
+        else:
+            self.chat.head = None
+            self.answers.use(None, problem=f"the head moved to peer {plan.stages[0].peer}; "
+                             "ask again")
+        self._retire_all_but(plane, alive)
+
+    def _plane_for(self, plan: PlanAssignment, loaded: LoadedStage | None) -> DataPlane | None:
+        """This peer's plane of `plan`, built once its stage's units are loaded."""
+        if plan.key in self.planes:
+            return self.planes[plan.key]
+        stage = next((s for s in plan.stages if s.peer == self.me), None)
+        if stage is None or loaded is None or (loaded.first, loaded.last) != (
+            stage.first, stage.last
+        ) or loaded.manifest.key != plan.manifest.get("key"):
+            return None
+        ring = [(s.peer, s.first, s.last) for s in plan.stages]
+        plane = DataPlane(self.me, self.transport, ring, loaded.manifest, loaded.executor,
+                          self.fp16_wire, self.limits, plan.key, self.planes)
+        self.planes[plan.key] = plane
+        return plane
+
+    def _head(self, manifest: Manifest) -> Head:
+        model = manifest.model
+        return Head(self.answers, self._load_tokenizer(), frozenset(model.eos_token_ids),
+                    model.max_positions, manifest.key)
+
+    def _load_tokenizer(self) -> Tokenizer | None:
+        if self.model_dir is None:
+            return None
+        try:
+            return Tokenizer.from_model(self.model_dir)
+        except NoTokenizer as exc:
+            log.info("%s", exc)
+            return None
+
+    def _retire_all_but(self, keep: DataPlane | None, alive: set[str] | None = None) -> None:
+        """Retire every plane but `keep`. Where every peer of a plane is alive, it serves
+        on while its answers move to `keep` with their K/V; otherwise it closes at once."""
+        for key, plane in list(self.planes.items()):
+            if plane is keep or key in self._retiring:
+                continue
+            handover = keep if keep is not None and keep.is_head else None
+            moving = alive is not None and set(plane.peers) <= alive and (
+                handover is not None or not plane.is_head
+            )
+            self._retiring.add(key)
+            task = asyncio.get_running_loop().create_task(
+                self._retire(key, plane, handover, HANDOVER_S if moving else 0.0)
+            )
+            self._retired.add(task)
+            task.add_done_callback(self._retired.discard)
+
+    async def _retire(self, key: str, plane: DataPlane, handover: DataPlane | None,
+                      wait_s: float) -> None:
+        try:
+            await plane.retire(handover, wait_s)
+        finally:
+            self.planes.pop(key, None)
+            self._retiring.discard(key)
+
+    def handle(self, sender: str, message: Any, reply: Callable[[Any], None]) -> None:
+        if isinstance(message, (ChatRequest, ChatEvent, ChatCancel)):
+            self.chat.handle(sender, message)
+            return
+        plane = plane_of(self.planes, message)
+        if plane is not None:
+            plane.handle(sender, message, reply)
+        else:
+            log.info("dropped %s from %s: no plane of it here", message.KIND, sender)
+
+    def stage_seconds(self) -> float | None:
+        """Seconds per step of this peer's stage since the last call (the last figure when
+        no step ran since); None before any."""
+        plane = self.plane
+        if plane is None:
+            return None
+        counters = plane.worker.counters
+        mark = (plane.plan, counters.steps, counters.compute_s)
+        last = self._stage_mark
+        if last is not None and last[0] == mark[0] and mark[1] > last[1]:
+            self._stage_s = (mark[2] - last[2]) / (mark[1] - last[1])
+        elif (last is None or last[0] != mark[0]) and mark[1]:
+            self._stage_s = mark[2] / mark[1]
+        self._stage_mark = mark
+        return self._stage_s
+
+    def status(self) -> dict[str, Any]:
+        """What `peerd status` shows of the data plane on this peer."""
+        plane = self.plane
+        answers = self.answers.status()
+        if plane is None:
+            return {"stage": None, "plans": [], "sequences": 0, "kv_bytes": 0, **answers}
+        counters = plane.worker.counters
+        executors = {id(p.worker.executor): p.worker.executor for p in self.planes.values()}
+        return {
+            "stage": plane.stage,
+            "plan": plane.plan,
+            "plans": list(self.planes),
+            "head": self.chat.head is not None,
+            "sequences": sum(e.sequence_count for e in executors.values()),
+            "kv_bytes": sum(e.kv_bytes() for e in executors.values()),
+            **answers,
+            **dataclasses.asdict(counters),
+        }
+
+    async def close(self) -> None:
+        await self.chat.close()
+        self._retire_all_but(None)
+        await asyncio.gather(*(plane.close() for plane in list(self.planes.values())))
+        await asyncio.gather(*self._retired, return_exceptions=True)

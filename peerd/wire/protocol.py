@@ -1,0 +1,914 @@
+"""The wire protocol: every message peers exchange is defined here, and only here.
+
+A message travels as a list of ZeroMQ frames: frame 0 is a msgpack map
+``{"v": PROTOCOL_VERSION, "kind": KIND, ...fields}``; a message with tensors lists them in the
+header as ``"tensors": [[name, dtype, shape], ...]`` and sends each tensor's raw bytes as one
+more frame, in that order (no pickling; decoding is zero-copy over the received buffers).
+
+Messages are frozen dataclasses registered with ``@message("kind")``. Their field annotations
+are the schema: ``decode`` checks every header field against them (nested frozen dataclasses
+travel as maps), and ``__post_init__`` checks ranges, so a handler only ever sees well-formed
+messages. Anything else raises ``ProtocolError``; receivers log it and drop the message.
+
+Each kind belongs to one channel (one socket pair, see peerd/wire/transport.py): ``control``
+(small, latency-sensitive), ``data`` (bulk: tensors, bandwidth probes) or ``hello`` (static
+peer introductions). A message arriving on another channel's socket is dropped.
+docs/protocol.md describes every message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+MAX_HEADER_BYTES = 1024 * 1024
+MAX_TENSORS = 4096
+MAX_RANK = 8
+
+MAX_PROBE_BYTES = 64 * 1024 * 1024
+MAX_SKIP = 1 << 20  # tokens a resumed sequence may skip: far above any answer's length
+CONTROL, DATA, HELLO = "control", "data", "hello"
+CHANNELS = (CONTROL, DATA, HELLO)
+
+# The dtypes a tensor frame may carry; anything else is refused on receipt.
+WIRE_DTYPES = frozenset({"float32", "float16", "int64", "int32", "int8", "uint8", "bool"})
+
+Tensors = dict[str, np.ndarray]
+
+
+class ProtocolError(ValueError):
+    """A message that is malformed, of an unknown kind, or of another protocol version."""
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def message(kind: str, channel: str = CONTROL):
+    """Register a frozen dataclass as the message of this kind, sent on this channel."""
+    if channel not in CHANNELS:
+        raise ValueError(f"unknown channel {channel!r}")
+
+    def register(cls):
+        if kind in _REGISTRY:
+            raise TypeError(f"message kind {kind!r} registered twice")
+        cls.KIND = kind
+        cls.CHANNEL = channel
+        _REGISTRY[kind] = cls
+        return cls
+
+    return register
+
+
+def _require(condition: bool, reason: str) -> None:
+    if not condition:
+        raise ProtocolError(reason)
+
+
+def kinds() -> dict[str, type]:
+    return dict(_REGISTRY)
+
+
+@message("stage", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class StageData:
+    """Activations for one step of one sequence, sent to the stage that consumes them.
+
+    ``tensors`` maps manifest output names to arrays: the sequential input of the receiving
+    stage, or the residual outputs it consumes. ``step`` counts forward passes of the sequence
+    (0 is the prefill), so a receiver can pair residuals with the sequential input of the same
+    step. ``plan`` names the plan the sender runs it under (``plan_key``): during a plan
+    change both plans serve at once, and a message of a retired plan must not start a
+    sequence on the new one.
+    """
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    plan: str
+    seq_id: str
+    step: int
+    tensors: Tensors
+
+
+@message("seq-open", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceOpen:
+    """The head asks the last stage to sample a new sequence with these settings; the answer
+    (``SequenceOpened``) comes before the head runs the sequence's first step. ``skip`` is
+    the number of tokens already sampled for this answer (a resumed answer continues the
+    seeded random stream where it stopped)."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    plan: str
+    seq_id: str
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    skip: int
+
+    def __post_init__(self):
+        # The last stage seeds a random stream with these: a negative seed or an enormous
+        # skip would raise there, or allocate the skipped draws, instead of being refused.
+        _require(self.seed >= 0, "seq-open: negative seed")
+        _require(0 <= self.skip <= MAX_SKIP, f"seq-open: skip outside 0..{MAX_SKIP}")
+
+
+@message("seq-opened", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceOpened:
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    error: str | None = None
+
+
+@message("seq-token", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceToken:
+    """The last stage's sampled token for one step, sent to the head."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    seq_id: str
+    step: int
+    token: int
+
+
+@message("seq-drop", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceDrop:
+    """The head ends a sequence (finished, cancelled or failed): free its K/V and sampler."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    seq_id: str
+
+
+@message("seq-move", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceMove:
+    """The head moves an answer to plan ``to_plan`` at a token boundary: the stage of
+    ``plan`` that gets this sends its K/V of ``seq_id`` to the peers holding the same units
+    in ``to_plan`` (``holders[u]`` holds unit u), stored there under ``to_seq_id``
+    (``SequenceState``), then answers with ``SequenceMoved``."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    plan: str
+    seq_id: str
+    to_plan: str
+    to_seq_id: str
+    holders: tuple[str, ...]
+
+    def __post_init__(self):
+        _require(0 < len(self.holders) <= MAX_TENSORS, "seq-move: holders out of range")
+
+
+@message("seq-state", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceState:
+    """The K/V of ``units`` for sequence ``seq_id`` of plan ``plan``, keyed by the units'
+    state input names, to store on the stage holding those units; answered by
+    ``SequenceMoved``."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    plan: str
+    seq_id: str
+    units: tuple[int, ...]
+    tensors: Tensors
+
+    def __post_init__(self):
+        _require(all(u >= 0 for u in self.units), "seq-state: negative unit index")
+
+
+@message("seq-moved", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceMoved:
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    error: str | None = None
+
+
+@message("seq-stats-ask", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceStatsRequest:
+    """The head, as an answer ends, asks each stage what the sequence cost it."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    seq_id: str
+
+
+@message("seq-stats", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceStats:
+    """One stage's work on one sequence: steps run, seconds computing its units, seconds
+    handing its outputs to the transport, bytes sent to the next stage (sequential) and to
+    later stages (residual), and whether it sends float16 activations."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    steps: int
+    compute_s: float
+    transfer_s: float
+    sequential_bytes: int
+    residual_bytes: int
+    fp16_wire: bool
+
+
+@message("chat", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    """A chat typed on another peer's socket, forwarded to the head. ``body`` is the local
+    API's chat request (peerd/inference/serving.py validates it on the head)."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    chat_id: str
+    body: dict[str, Any]
+
+
+@message("chat-event", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class ChatEvent:
+    """One local-API event of a forwarded chat (a token, the end, or an error), relayed by
+    the asking peer to its client as it is."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    chat_id: str
+    event: dict[str, Any]
+
+
+@message("chat-cancel", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class ChatCancel:
+    """The client of a forwarded chat went away: the head ends the answer."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    chat_id: str
+
+
+@message("seq-failed", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceFailed:
+    """A stage could not run a step of the sequence; the head ends it with this reason."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    seq_id: str
+    reason: str
+
+
+# Control messages. The sender of a message is never a field: the transport knows it from the
+# CURVE key that the ZAP handler authenticated, so a member cannot speak for another.
+
+
+@message("hello", channel=HELLO)
+@dataclasses.dataclass(frozen=True)
+class Hello:
+    """A static peer introduces itself with its signed record (peerd/cluster/records.py); the answer
+    is the receiver's own Hello."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    record: dict[str, str]
+
+
+@message("heartbeat")
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    """Sent to every member several times a second: liveness, run instance, the sender's view
+    of the current leader and epoch, and its capability for the election."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    instance: str
+    seq: int
+    epoch: int
+    leader: str | None
+    mains: bool
+    flops: float
+
+    def __post_init__(self):
+        _require(self.seq >= 0 and self.epoch >= 0, "heartbeat: negative seq or epoch")
+        _require(self.flops >= 0, "heartbeat: negative flops")
+
+
+@message("goodbye")
+@dataclasses.dataclass(frozen=True)
+class Goodbye:
+    """The sender's run ``instance`` is shutting down cleanly."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    instance: str
+
+
+@message("vote-request")
+@dataclasses.dataclass(frozen=True)
+class VoteRequest:
+    """The sender stands for leader of ``epoch`` with this capability."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    epoch: int
+    mains: bool
+    flops: float
+
+    def __post_init__(self):
+        _require(self.epoch > 0, "vote-request: epoch must be positive")
+        _require(self.flops >= 0, "vote-request: negative flops")
+
+
+@message("vote")
+@dataclasses.dataclass(frozen=True)
+class Vote:
+    """The sender's answer to a candidate; ``epoch`` is the voter's epoch after the request."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    epoch: int
+    granted: bool
+
+    def __post_init__(self):
+        _require(self.epoch >= 0, "vote: negative epoch")
+
+
+@message("leader")
+@dataclasses.dataclass(frozen=True)
+class LeaderAnnounce:
+    """The sender won the election of ``epoch``."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    epoch: int
+
+    def __post_init__(self):
+        _require(self.epoch > 0, "leader: epoch must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class Battery:
+    percent: float
+    plugged: bool
+
+    def __post_init__(self):
+        _require(0 <= self.percent <= 100, "battery percent outside 0..100")
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerFigures:
+    """One peer's measurements: FLOP/s on the calibration unit, memory (capped by its
+    --memory-budget), CPU load of other processes (0..1), battery, model, loaded units and
+    the plan they belong to, and the measured time per step of its stage."""
+
+    id: str
+    flops: float
+    memory_total: int
+    memory_available: int
+    load: float
+    battery: Battery | None
+    model: str | None
+    units: tuple[int, ...]
+    plan: str | None = None  # the plan (its key) whose units are loaded, once ready
+    stage_s: float | None = None  # recent seconds per step of this peer's stage
+
+    def __post_init__(self):
+        _require(self.flops >= 0, "figures: negative flops")
+        _require(0 <= self.memory_available <= self.memory_total, "figures: bad memory")
+        _require(0 <= self.load <= 1, "figures: load outside 0..1")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkFigures:
+    """Measured from ``source`` to ``target``: one-way latency and bandwidth."""
+
+    source: str
+    target: str
+    latency_s: float
+    bandwidth_Bps: float
+
+    def __post_init__(self):
+        _require(self.latency_s >= 0 and self.bandwidth_Bps > 0, "link: bad figures")
+
+
+@message("measure")
+@dataclasses.dataclass(frozen=True)
+class MeasureRequest:
+    """The leader of ``epoch`` asks for the receiver's PeerFigures."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    epoch: int
+
+
+@message("measurement")
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    figures: PeerFigures
+
+
+@message("probe")
+@dataclasses.dataclass(frozen=True)
+class ProbeRequest:
+    """The leader of ``epoch`` asks the receiver to measure its links to ``targets``, sending
+    ``payload_bytes`` to each for the bandwidth."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    epoch: int
+    targets: tuple[str, ...]
+    payload_bytes: int
+
+    def __post_init__(self):
+        _require(0 < self.payload_bytes <= MAX_PROBE_BYTES, "probe: payload size out of range")
+
+
+@message("probe-report")
+@dataclasses.dataclass(frozen=True)
+class ProbeReport:
+    """The links the receiver of a ProbeRequest could measure (unreachable targets omitted)."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    links: tuple[LinkFigures, ...]
+
+
+@message("ping")
+@dataclasses.dataclass(frozen=True)
+class Ping:
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+
+
+@message("pong")
+@dataclasses.dataclass(frozen=True)
+class Pong:
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+
+
+@message("bandwidth", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class BandwidthProbe:
+    """A timed bulk transfer: one uint8 tensor named ``payload``."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    tensors: Tensors
+
+    def __post_init__(self):
+        payload = self.tensors.get("payload")
+        _require(
+            len(self.tensors) == 1 and payload is not None and payload.dtype == np.uint8,
+            "bandwidth: expected one uint8 tensor named 'payload'",
+        )
+        _require(payload.nbytes <= MAX_PROBE_BYTES, "bandwidth: payload too large")
+
+
+@message("bandwidth-ack", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class BandwidthAck:
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    received: int
+
+
+@message("cluster-report")
+@dataclasses.dataclass(frozen=True)
+class ClusterReport:
+    """The leader of ``epoch`` shares its latest measurements of every peer and link."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    epoch: int
+    peers: tuple[PeerFigures, ...]
+    links: tuple[LinkFigures, ...]
+
+
+# -- Deployment: the model's manifest, plans, and unit files --------------------------------
+# (peerd/control/coordinator.py on the leader, peerd/control/deploy.py and
+# peerd/control/unit_transfer.py on every peer, peerd/control/model_host.py on the peer started with
+# --model)
+
+MAX_CHUNK_BYTES = 16 * 1024 * 1024
+MODEL_STATES = ("sharding", "ready", "failed")
+DEPLOY_STATES = ("fetching", "loading", "ready", "failed")
+_HEX_DIGITS = frozenset("0123456789abcdef")
+
+
+def _require_sha256(value: str, where: str) -> None:
+    _require(len(value) == 64 and set(value) <= _HEX_DIGITS, f"{where}: not a sha256 digest")
+
+
+@message("manifest-request")
+@dataclasses.dataclass(frozen=True)
+class ManifestRequest:
+    """The leader of ``epoch`` asks a model peer for its manifest; ``have`` is the key of the
+    manifest it already holds, which the answer then leaves out."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    epoch: int
+    have: str | None
+
+
+@message("manifest-offer")
+@dataclasses.dataclass(frozen=True)
+class ManifestOffer:
+    """A model peer's sharding ``state`` (``detail``: the last progress line, or the error);
+    once ``ready``, the manifest's ``key`` and, unless the asker has it, the manifest itself
+    (the map of ``manifest.json``)."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    model: str
+    state: str
+    detail: str
+    key: str | None
+    manifest: dict[str, Any] | None
+
+    def __post_init__(self):
+        _require(self.state in MODEL_STATES, f"manifest-offer: unknown state {self.state!r}")
+        _require((self.key is not None) == (self.state == "ready"),
+                 "manifest-offer: a key comes with state ready, and only then")
+        _require(self.manifest is None or self.key is not None,
+                 "manifest-offer: a manifest without a key")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanStage:
+    """``peer`` runs units ``first`` to ``last`` (inclusive)."""
+
+    peer: str
+    first: int
+    last: int
+
+    def __post_init__(self):
+        _require(0 <= self.first <= self.last, "plan stage: bad unit range")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanFigures:
+    """What the planner predicts for a plan."""
+
+    latency_s: float
+    throughput_tps: float
+    bottleneck_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRebalance:
+    """Why load or battery moved work: ``reason``, the predicted ``gain`` (current / new - 1;
+    None when the old plan no longer held), and whether it re-planned over every peer
+    (``full``) or moved boundaries."""
+
+    reason: str
+    gain: float | None
+    full: bool
+
+
+@message("plan")
+@dataclasses.dataclass(frozen=True)
+class PlanAssignment:
+    """Plan ``plan_id`` of the leader of ``epoch``, sent to every member.
+
+    ``stages`` cover the manifest's units in order, the first on ``model_peer``, which serves
+    the unit files. A peer loads the units of its own stage; a peer without one unloads. No
+    stages means that no plan is possible now, and ``problem`` says why.
+    """
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    epoch: int
+    plan_id: int
+    stages: tuple[PlanStage, ...]
+    model: str | None
+    model_peer: str | None
+    manifest: dict[str, Any] | None
+    objective: str
+    solver: str
+    predicted: PlanFigures | None
+    problem: str | None
+    reason: str = ""  # why the leader made it
+    rebalance: PlanRebalance | None = None  # set when load or battery moved work
+
+    def __post_init__(self):
+        _require(self.epoch > 0 and self.plan_id > 0, "plan: epoch and plan_id must be positive")
+        if not self.stages:
+            _require(self.problem is not None, "plan: neither stages nor a problem")
+            return
+        _require(self.problem is None, "plan: stages and a problem")
+        _require(
+            None not in (self.model, self.model_peer, self.manifest, self.predicted),
+            "plan: stages without a model, model peer, manifest or prediction",
+        )
+        first = self.stages[0]
+        _require(first.peer == self.model_peer and first.first == 0,
+                 "plan: the first stage must start at unit 0 on the model peer")
+        for before, after in zip(self.stages, self.stages[1:], strict=False):
+            _require(after.first == before.last + 1, "plan: stages do not follow each other")
+        _require(len({s.peer for s in self.stages}) == len(self.stages),
+                 "plan: a peer holds two stages")
+
+    @property
+    def key(self) -> str:
+        """The plan's name on the data plane (``StageData.plan``): unique across leaders."""
+        return f"{self.epoch}.{self.plan_id}"
+
+
+@message("deploy-report")
+@dataclasses.dataclass(frozen=True)
+class DeployReport:
+    """A peer's progress on plan ``plan_id`` of ``epoch``, sent to that leader: ``received``
+    of ``total`` bytes of unit files fetched, then ``ready`` with the ``units`` it loaded, or
+    ``failed`` with the reason in ``detail``."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    epoch: int
+    plan_id: int
+    state: str
+    units: tuple[int, ...]
+    received: int
+    total: int
+    detail: str
+
+    def __post_init__(self):
+        _require(self.state in DEPLOY_STATES, f"deploy-report: unknown state {self.state!r}")
+        _require(0 <= self.received <= self.total, "deploy-report: bad byte counts")
+
+
+@message("unit-chunk-request", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class UnitChunkRequest:
+    """Asks the model peer for ``length`` bytes of unit file ``sha256`` from ``offset``."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    sha256: str
+    offset: int
+    length: int
+
+    def __post_init__(self):
+        _require_sha256(self.sha256, "unit-chunk-request")
+        _require(self.offset >= 0, "unit-chunk-request: negative offset")
+        _require(0 < self.length <= MAX_CHUNK_BYTES, "unit-chunk-request: length out of range")
+
+
+@message("unit-chunk", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class UnitChunk:
+    """Bytes from ``offset`` of unit file ``sha256`` (``size`` bytes in all), as one 1-D
+    uint8 tensor named ``data``."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    sha256: str
+    offset: int
+    size: int
+    tensors: Tensors
+
+    def __post_init__(self):
+        _require_sha256(self.sha256, "unit-chunk")
+        data = self.tensors.get("data")
+        _require(
+            len(self.tensors) == 1 and data is not None and data.dtype == np.uint8
+            and data.ndim == 1,
+            "unit-chunk: expected one 1-D uint8 tensor named 'data'",
+        )
+        _require(0 < data.nbytes <= MAX_CHUNK_BYTES, "unit-chunk: chunk size out of range")
+        _require(self.offset >= 0 and self.offset + data.nbytes <= self.size,
+                 "unit-chunk: chunk outside the file")
+
+
+@message("unit-refused", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class UnitRefused:
+    """The model peer cannot serve a chunk request, and ``reason`` says why."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    reason: str
+
+
+def encode(msg: Any) -> list[bytes | memoryview]:
+    """Frames for a registered message: a msgpack header, then one frame per tensor."""
+    kind = getattr(type(msg), "KIND", None)
+    if kind not in _REGISTRY or _REGISTRY[kind] is not type(msg):
+        raise TypeError(f"not a registered message: {type(msg).__name__}")
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": kind}
+    frames: list[bytes | memoryview] = []
+    for field in dataclasses.fields(msg):
+        value = getattr(msg, field.name)
+        if field.name == "tensors":
+            header["tensors"], frames = _tensor_frames(value)
+        else:
+            header[field.name] = _plain(value)
+    return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def _plain(value: Any) -> Any:
+    """Nested dataclasses as maps, tuples as lists: what msgpack can carry."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _tensor_frames(tensors: Tensors) -> tuple[list, list[memoryview]]:
+    specs, frames = [], []
+    for name, array in tensors.items():
+        array = np.ascontiguousarray(array)
+        dtype = array.dtype.name
+        if dtype not in WIRE_DTYPES:
+            raise TypeError(f"tensor {name!r}: dtype {dtype} cannot travel on the wire")
+        specs.append([name, dtype, list(array.shape)])
+        frames.append(memoryview(array.reshape(-1).view(np.uint8)))  # also when empty
+    return specs, frames
+
+
+def decode(frames: Sequence[bytes | memoryview | Any]) -> Any:
+    """The message carried by these frames, or ProtocolError saying what is wrong."""
+    if not frames:
+        raise ProtocolError("empty message")
+    buffers = [_buffer(frame) for frame in frames]
+    total = sum(len(b) for b in buffers)
+    if total > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {total} bytes exceeds {MAX_MESSAGE_BYTES}")
+    header = _unpack_header(buffers[0])
+    kind = header.pop("kind", None)
+    cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError("unknown message kind")
+    if "tensors" in _hints(cls):
+        header["tensors"] = _decode_tensors(header.get("tensors"), buffers[1:])
+    elif len(buffers) > 1:
+        raise ProtocolError(f"{cls.KIND}: carries no tensors but has {len(buffers) - 1} frames")
+    return _build(cls, header, cls.KIND)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _build(cls: type, header: dict, where: str) -> Any:
+    """An instance of dataclass ``cls`` from a decoded map, every field checked."""
+    values: dict[str, Any] = {}
+    hints = _hints(cls)
+    for field in dataclasses.fields(cls):
+        if field.name not in header:
+            if field.default is not dataclasses.MISSING:
+                continue
+            raise ProtocolError(f"{where}: missing field {field.name!r}")
+        value = header.pop(field.name)
+        values[field.name] = (
+            value if field.name == "tensors" else _check(value, hints[field.name], field.name)
+        )
+    if header:
+        raise ProtocolError(f"{where}: unexpected fields {sorted(map(str, header))}")
+    try:
+        return cls(**values)
+    except ProtocolError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"{where}: {exc}") from None
+
+
+def _buffer(frame: Any) -> memoryview:
+    if hasattr(frame, "buffer"):  # zmq.Frame
+        frame = frame.buffer
+    return memoryview(frame).cast("B")
+
+
+def _unpack_header(buffer: memoryview) -> dict:
+    if len(buffer) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(buffer)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(buffer, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"header is not msgpack: {type(exc).__name__}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header is not a map")
+    version = header.pop("v", None)
+    if type(version) is not int or version != PROTOCOL_VERSION:  # True == 1 == 1.0
+        raise ProtocolError(f"not protocol version {PROTOCOL_VERSION}")
+    return header
+
+
+def _decode_tensors(specs: Any, buffers: list[memoryview]) -> Tensors:
+    if not isinstance(specs, list) or len(specs) > MAX_TENSORS:
+        raise ProtocolError("tensors: expected a list of [name, dtype, shape]")
+    if len(specs) != len(buffers):
+        raise ProtocolError(f"tensors: header lists {len(specs)}, message has {len(buffers)}")
+    tensors: Tensors = {}
+    for spec, buffer in zip(specs, buffers, strict=True):
+        name, dtype, shape = _tensor_spec(spec)
+        if name in tensors:
+            raise ProtocolError(f"tensor {name!r} sent twice")
+        itemsize = np.dtype(dtype).itemsize
+        # Bounded with zero dimensions counted as one: numpy refuses an empty array whose
+        # other dimensions overflow, with a plain ValueError.
+        if math.prod(max(d, 1) for d in shape) * itemsize > MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"tensor {name!r}: shape {list(shape)} is too large")
+        if math.prod(shape) * itemsize != len(buffer):
+            raise ProtocolError(
+                f"tensor {name!r}: {len(buffer)} bytes do not fit {dtype}{list(shape)}"
+            )
+        tensors[name] = np.frombuffer(buffer, dtype=dtype).reshape(shape)
+    return tensors
+
+
+def _tensor_spec(spec: Any) -> tuple[str, str, tuple[int, ...]]:
+    if not (isinstance(spec, list) and len(spec) == 3):
+        raise ProtocolError("tensor spec is not [name, dtype, shape]")
+    name, dtype, shape = spec
+    if not isinstance(name, str) or not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
+        raise ProtocolError(f"tensor spec has a bad name or dtype: {name!r} {dtype!r}")
+    if not (
+        isinstance(shape, list)
+        and len(shape) <= MAX_RANK
+        and all(type(d) is int and d >= 0 for d in shape)
+    ):
+        raise ProtocolError(f"tensor {name!r}: bad shape {shape!r}")
+    return name, dtype, tuple(shape)
+
+
+def _check(value: Any, hint: Any, name: str) -> Any:
+    """value, if it matches the annotation; lists come back as tuples for tuple hints."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            try:
+                return _check(value, option, name)
+            except ProtocolError:
+                continue
+        raise ProtocolError(f"field {name!r}: {type(value).__name__} is not {hint}")
+    if hint is Any:
+        return value
+    if hint is type(None):
+        if value is None:
+            return None
+    elif origin in (list, tuple):
+        if isinstance(value, list):
+            item = typing.get_args(hint)[0]
+            items = [_check(v, item, f"{name}[]") for v in value]
+            return tuple(items) if origin is tuple else items
+    elif origin is dict:
+        if isinstance(value, dict):
+            key_hint, value_hint = typing.get_args(hint)
+            return {
+                _check(k, key_hint, f"{name} key"): _check(v, value_hint, f"{name}[{k!r}]")
+                for k, v in value.items()
+            }
+    elif hint is float:
+        if type(value) in (int, float) and math.isfinite(value):
+            return float(value)
+    elif hint in (int, str, bool, bytes):
+        if type(value) is hint:
+            return value
+    elif dataclasses.is_dataclass(hint):
+        if isinstance(value, dict):
+            return _build(hint, dict(value), name)
+    else:
+        raise TypeError(f"field {name!r}: annotation {hint} is not supported on the wire")
+    raise ProtocolError(f"field {name!r}: {type(value).__name__} is not {hint}")

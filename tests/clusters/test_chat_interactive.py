@@ -1,0 +1,267 @@
+"""`peerd chat` as a person uses it, against real daemons on loopback.
+
+The interactive session runs under a pseudo-terminal that is its controlling terminal, so
+Ctrl-C is the terminal's own: the test types the ^C character and the terminal sends SIGINT
+to the session. Answers are compared with transformers' greedy answer to the whole
+conversation so far, turned into ids by the model's chat template as the head does. The
+model is a 2-layer BLOOM: ALiBi leaves room (2048 positions) for an answer long enough to
+stop half-way, and the test session has sharded it already.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import pytest
+from sharding import reference, seed_shard_cache
+
+from peerd.commands.chat import PROMPT, STOPPED
+from peerd.commands.local_cluster import LocalCluster
+from shards.tokenizer import TextStream, Tokenizer
+
+PEERD = [sys.executable, "-m", "peerd"]
+SHORT, LONG = 24, 2000  # new tokens: turns compared with transformers; the answer stopped
+ANSWER_S = 120
+FREED_S = 10
+
+
+@pytest.fixture(scope="module")
+def model_dir(hf_checkpoint) -> Path:
+    return hf_checkpoint("bloom")
+
+
+def _cluster(root: Path, model_dir: Path, peers: int) -> LocalCluster:
+    """A cluster whose model peer (LocalCluster's peer0) finds the model sharded already."""
+    seed_shard_cache(root / "peer0", model_dir)
+    return LocalCluster(root, model_dir, peers=peers, progress=lambda line: None,
+                        extra=["--no-rebalance"])  # the tests count one plane's steps
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    with _cluster(tmp_path_factory.mktemp("chat"), model_dir, peers=2) as cluster:
+        yield cluster
+
+
+class Terminal:
+    """`peerd chat` on a pseudo-terminal: keys typed at it and what it prints.
+
+    Output processing is off (a newline stays one byte) and typed keys are not echoed, so
+    the screen holds exactly the bytes the session wrote.
+    """
+
+    def __init__(self, args: list[str]) -> None:
+        self.fd, tty = os.openpty()
+        attrs = termios.tcgetattr(tty)
+        attrs[1] &= ~termios.OPOST
+        attrs[3] = (attrs[3] | termios.ISIG | termios.ICANON) & ~termios.ECHO
+        termios.tcsetattr(tty, termios.TCSANOW, attrs)
+        self.process = subprocess.Popen(
+            args, stdin=tty, stdout=tty, stderr=tty, start_new_session=True,
+            preexec_fn=_controlling_terminal,
+        )
+        os.close(tty)
+        self.screen = b""
+        self._seen = 0
+
+    def type(self, keys: bytes) -> None:
+        os.write(self.fd, keys)
+
+    def read_until(self, text: str, timeout: float = ANSWER_S) -> str:
+        """What was printed since the last read, up to and including `text`."""
+        wanted = text.encode()
+        deadline = time.monotonic() + timeout
+        while (end := self.screen.find(wanted, self._seen)) < 0:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._read(left):
+                raise AssertionError(f"no {text!r} on the screen: {self.screen[-400:]!r}")
+        printed = self.screen[self._seen : end + len(wanted)]
+        self._seen = end + len(wanted)
+        return printed.decode()
+
+    def answer(self) -> str:
+        """The answer printed after the last prompt, once the next prompt is shown."""
+        return self.read_until("\n" + PROMPT).removesuffix("\n" + PROMPT)
+
+    def wait_for_output(self, timeout: float = ANSWER_S) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.screen) == self._seen:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._read(left):
+                raise AssertionError("the session printed nothing")
+
+    def _read(self, timeout: float) -> bool:
+        """Read what is there within `timeout`; False once the session closed the terminal."""
+        if select.select([self.fd], [], [], timeout)[0]:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except OSError:  # EIO: every process holding the terminal has exited
+                return False
+            self.screen += chunk
+            return bool(chunk)
+        return True
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)
+        os.close(self.fd)
+
+
+def _controlling_terminal() -> None:
+    """In the child: the pty on stdin becomes its controlling terminal, and Ctrl-C is
+    SIGINT's default again (a background job of a shell inherits it ignored)."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _chat(state_dir: Path, *args: str) -> list[str]:
+    return [*PEERD, "chat", "--state-dir", str(state_dir), *args]
+
+
+def _expected(model_dir: Path, messages: list[dict[str, str]], new_tokens: int) -> str:
+    """The text of transformers' greedy answer to the conversation, as the head streams it."""
+    tokenizer = Tokenizer.from_dir(model_dir)
+    prompt = tuple(tokenizer.conversation_ids(messages))
+    tokens, _ = reference(model_dir, prompt, new_tokens, stop_at_eos=True)
+    text = TextStream(tokenizer)
+    for token in tokens:
+        text.add(token)
+    return text.text
+
+
+def _user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def _dataplanes(cluster: LocalCluster) -> list[dict]:
+    return [cluster.status(i)["dataplane"] for i in range(cluster.count)]
+
+
+def _wait_for(condition, what: str, timeout: float):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+@pytest.mark.cluster
+def test_a_terminal_session_is_one_conversation_until_reset(cluster, model_dir):
+    first, second, third = "hello world", "how are you today?", "tell me about the fox"
+    session = Terminal(_chat(cluster.dirs[1], "--max-tokens", str(SHORT)))
+    try:
+        session.read_until(PROMPT)
+        session.type(f"{first}\n".encode())
+        answer = session.answer()
+        assert answer == _expected(model_dir, [_user(first)], SHORT)
+
+        session.type(f"{second}\n".encode())
+        conversation = [_user(first), {"role": "assistant", "content": answer}, _user(second)]
+        expected = _expected(model_dir, conversation, SHORT)
+        assert expected != _expected(model_dir, [_user(second)], SHORT), "the history matters"
+        assert session.answer() == expected
+
+        session.type(b"/reset\n")
+        assert "cleared" in session.read_until(PROMPT)
+        session.type(f"{third}\n".encode())
+        assert session.answer() == _expected(model_dir, [_user(third)], SHORT)
+
+        session.type(b"\x03")  # Ctrl-C at the prompt leaves
+        assert session.process.wait(timeout=10) == 0
+    finally:
+        session.close()
+
+
+@pytest.mark.cluster
+def test_ctrl_c_stops_the_answer_on_every_peer_and_the_session_goes_on(cluster):
+    before = [plane["steps"] for plane in _dataplanes(cluster)]
+    session = Terminal(_chat(cluster.dirs[1], "--max-tokens", str(LONG)))
+    try:
+        session.read_until(PROMPT)
+        session.type(b"tell me a long story about the sea\n")
+        session.wait_for_output()
+        session.type(b"\x03")
+        assert STOPPED in session.read_until(PROMPT)
+        _wait_for(lambda: not any(p["sequences"] for p in _dataplanes(cluster)),
+                  "every peer to free the stopped answer", FREED_S)
+        ran = [p["steps"] - b for p, b in zip(_dataplanes(cluster), before, strict=True)]
+        assert all(0 < steps < LONG // 2 for steps in ran), (
+            f"steps of the stopped answer per peer: {ran}; it ran on every peer, not to its end"
+        )
+
+        session.type(b"/help\n")
+        assert "/reset" in session.read_until(PROMPT)
+        session.type(b"\x04")  # Ctrl-D: end of input
+        assert session.process.wait(timeout=10) == 0
+    finally:
+        session.close()
+
+
+@pytest.mark.cluster
+def test_piped_lines_are_one_conversation_with_the_sampling_flags_on_every_turn(
+    cluster, model_dir
+):
+    head = cluster.dirs[0]
+    flags = ["--max-tokens", str(SHORT), "--temperature", "1.5", "--top-k", "50", "--seed", "11"]
+    lines = b"hello world\nand the fox?\n/exit\nnot asked\n"
+    piped = subprocess.run(_chat(head, *flags), input=lines, capture_output=True,
+                           timeout=ANSWER_S)
+    assert piped.returncode == 0, piped.stderr
+    tokenizer = Tokenizer.from_dir(model_dir)
+
+    def once(messages: list[dict[str, str]], *args: str) -> str:
+        ids = ",".join(map(str, tokenizer.conversation_ids(messages)))
+        done = subprocess.run(_chat(head, "--prompt-ids", ids, "--json", *args),
+                              capture_output=True, timeout=ANSWER_S)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)["text"]
+
+    first = once([_user("hello world")], *flags)
+    conversation = [_user("hello world"), {"role": "assistant", "content": first},
+                    _user("and the fox?")]
+    second = once(conversation, *flags)
+    assert second != once(conversation, "--max-tokens", str(SHORT)), "sampling matters"
+    assert piped.stdout.decode() == f"{first}\n{second}\n"
+    assert piped.stderr.decode().count(PROMPT) == 3  # none after /exit
+
+
+@pytest.mark.cluster
+def test_a_model_without_a_tokenizer_asks_for_token_ids(model_dir, tmp_path):
+    bare = tmp_path / "no-tokenizer"
+    shutil.copytree(model_dir, bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    with _cluster(tmp_path / "cluster", bare, peers=1) as cluster:
+        state_dir = cluster.dirs[0]
+        interactive = subprocess.run(_chat(state_dir), input=b"hello\n", capture_output=True,
+                                     timeout=ANSWER_S)
+        once = subprocess.run(_chat(state_dir, "--prompt", "hello"), capture_output=True,
+                              timeout=ANSWER_S)
+        for done in (interactive, once):
+            assert done.returncode == 1
+            last = done.stderr.decode().splitlines()[-1]  # after the prompt, if any
+            assert "peerd: the model has no tokenizer" in last and "--prompt-ids" in last
+        assert len(once.stderr.decode().splitlines()) == 1
+        ids = subprocess.run(
+            _chat(state_dir, "--prompt-ids", "5,6,7", "--max-tokens", str(SHORT), "--json"),
+            capture_output=True, timeout=ANSWER_S,
+        )
+        assert ids.returncode == 0, ids.stderr
+        expected, _ = reference(bare, (5, 6, 7), SHORT, stop_at_eos=True)
+        assert json.loads(ids.stdout)["token_ids"] == expected
+
+
+def test_a_session_without_a_daemon_fails_before_the_first_prompt(tmp_path):
+    done = subprocess.run(_chat(tmp_path), input=b"hello\n", capture_output=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.decode().startswith("peerd: no daemon is running")
+    assert len(done.stderr.splitlines()) == 1 and PROMPT not in done.stderr.decode()

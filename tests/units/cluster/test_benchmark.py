@@ -1,0 +1,134 @@
+"""Peer measurements: the calibration graph, FLOP/s, link latency/bandwidth, collection."""
+
+import asyncio
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from peerd.cluster import benchmark
+from peerd.wire import protocol
+from peerd.wire.protocol import LinkFigures, PeerFigures
+from peerd.wire.transport import TransportError
+
+
+def test_calibration_graph_multiplies_a_row_by_distinct_constant_matrices():
+    size, depth = 32, 3
+    model = onnx.load_from_string(benchmark.calibration_model(size, depth))
+    assert [n.op_type for n in model.graph.node] == ["ConstantOfShape", "MatMul"] * depth
+    constants = [onnx.numpy_helper.to_array(n.attribute[0].t)[0]
+                 for n in model.graph.node if n.op_type == "ConstantOfShape"]
+    assert len(set(constants)) == depth  # none shared: every run reads depth x size^2 weights
+    x = np.random.default_rng(3).standard_normal((1, size)).astype(np.float32)
+    expected = x
+    for value in constants:
+        expected = expected @ np.full((size, size), value, np.float32)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], expected, rtol=1e-4, atol=1e-4)
+    assert benchmark.calibration_flops(size, depth) == 2 * 32**2 * 3
+
+
+def test_measured_flops_are_plausible_for_a_cpu():
+    flops = benchmark.measure_flops(size=256, depth=2, seconds=0.05)
+    assert 1e8 < flops < 1e14
+
+
+def test_calibration_computes_only_on_the_cores_this_peer_is_pinned_to():
+    code = ("import os; os.sched_setaffinity(0, {0}); from peerd.cluster.benchmark import "
+            "calibration_session; "
+            "print(calibration_session(64, 1).get_session_options().intra_op_num_threads)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.split() == ["1"]
+
+
+async def test_the_flops_meter_measures_once_then_reuses_the_figure(monkeypatch):
+    calls = []
+    monkeypatch.setattr(benchmark, "measure_flops", lambda: calls.append(1) or 5e9)
+    meter = benchmark.FlopsMeter(max_age_s=60)
+    assert await meter.current() == 5e9 and await meter.current() == 5e9
+    assert len(calls) == 1
+    assert await benchmark.FlopsMeter(max_age_s=0).current() == 5e9
+
+
+def test_link_arithmetic():
+    assert benchmark.one_way_latency([0.010, 0.002, 0.004]) == pytest.approx(0.001)
+    assert benchmark.transfer_bandwidth(1_000_000, 0.11, 0.01) == pytest.approx(1e7)
+    # A round trip larger than half the transfer is not trusted.
+    assert benchmark.transfer_bandwidth(1_000_000, 0.1, 0.09) == pytest.approx(2e7)
+
+
+class ShapedTransport:
+    """A fake transport whose pings take ``rtt`` and whose transfers run at ``rate`` B/s."""
+
+    def __init__(self, rtt: float, rate: float):
+        self.rtt, self.rate = rtt, rate
+
+    async def request(self, peer, msg, timeout):
+        if isinstance(msg, protocol.BandwidthProbe):
+            size = msg.tensors["payload"].nbytes
+            await asyncio.sleep(self.rtt + size / self.rate)
+            return protocol.BandwidthAck(msg.req, size)
+        await asyncio.sleep(self.rtt)
+        return protocol.Pong(msg.req)
+
+
+async def test_a_link_is_measured_from_round_trips_and_a_timed_transfer():
+    transport = ShapedTransport(rtt=0.02, rate=10e6)
+    link = await benchmark.measure_link(transport, "a", "b", payload_bytes=1_000_000)
+    assert (link.source, link.target) == ("a", "b")
+    assert link.latency_s == pytest.approx(0.01, rel=0.3)
+    assert link.bandwidth_Bps == pytest.approx(10e6, rel=0.2)
+
+
+class FailingTransport:
+    async def request(self, peer, msg, timeout):
+        raise TransportError(f"{peer} is not reachable")
+
+
+async def test_unreachable_targets_are_left_out():
+    assert await benchmark.measure_links(FailingTransport(), "a", ["b", "c"], 100) == ()
+
+
+def _figures(peer: str) -> PeerFigures:
+    return PeerFigures(peer, 1e9, 10, 5, 0.1, None, None, ())
+
+
+async def test_figures_are_collected_from_everyone_who_answers_for_themselves():
+    async def ask(peer):
+        if peer == "silent":
+            raise TransportError("no answer")
+        return _figures("impostor" if peer == "liar" else peer)
+
+    figures = await benchmark.collect_figures(ask, ["a", "silent", "liar", "b"])
+    assert sorted(figures) == ["a", "b"]
+
+
+async def test_links_are_probed_one_source_at_a_time_for_every_ordered_pair():
+    active, log = [], []
+
+    async def ask(source, targets):
+        active.append(source)
+        assert len(active) == 1, "two peers probing at once"
+        log.append((source, targets))
+        await asyncio.sleep(0.01)
+        active.remove(source)
+        if source == "c":
+            raise TransportError("c is gone")
+        forged = LinkFigures("x", "y", 0.1, 1.0)
+        return (*(LinkFigures(source, t, 0.001, 1e8) for t in targets), forged)
+
+    links = await benchmark.collect_links(ask, ["a", "b", "c"])
+    assert log == [("a", ("b", "c")), ("b", ("a", "c")), ("c", ("a", "b"))]
+    assert {(link.source, link.target) for link in links} == {
+        ("a", "b"), ("a", "c"), ("b", "a"), ("b", "c")}
+
+
+def test_the_daemon_never_imports_torch():
+    code = "import sys, peerd.daemon.wiring; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "False"

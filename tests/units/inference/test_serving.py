@@ -1,0 +1,139 @@
+"""Chats served on the head and forwarded from other peers, over real transports."""
+
+import asyncio
+
+import pytest
+from ring import reference, running_ring
+from waiting import eventually
+
+from peerd.errors import PeerdError
+from peerd.inference.dataplane import Limits
+from peerd.inference.serving import parse_chat
+from shards.tokenizer import TextStream, Tokenizer
+
+PROMPT = [1, 2, 3]
+
+
+@pytest.fixture
+async def ring(toy):
+    _, manifest, directory = toy
+    async with running_ring(manifest, directory, Limits(send_timeout_s=5.0)) as peers:
+        yield peers
+
+
+class Client:
+    """Collects the events a local-API client would read."""
+
+    def __init__(self, leave_after: int | None = None):
+        self.events: list[dict] = []
+        self.leave_after = leave_after
+
+    async def send(self, event: dict) -> None:
+        if self.leave_after is not None and len(self.events) >= self.leave_after:
+            raise ConnectionResetError("client went away")
+        self.events.append(event)
+
+
+@pytest.mark.parametrize("asked_on", [0, 2], ids=["head", "forwarded"])
+async def test_a_chat_streams_every_token_then_the_exact_answer(toy, ring, asked_on):
+    client = Client()
+    request = {"op": "chat", "prompt_ids": PROMPT, "max_tokens": 9}
+    await asyncio.wait_for(ring[asked_on].chat.op_chat(request, client.send), 20)
+    expected = reference(toy[0], PROMPT, 9)
+    *tokens, done = client.events
+    assert [e["token"] for e in tokens] == expected
+    assert done["event"] == "done" and done["token_ids"] == expected
+    stats = done["stats"]
+    assert stats["generated_tokens"] == 9 and [s["steps"] for s in stats["stages"]] == [9] * 3
+    head, middle, last = stats["stages"]
+    assert head["sequential_bytes"] > 0 and head["residual_bytes"] > 0
+    assert middle["sequential_bytes"] > 0 and middle["residual_bytes"] == 0
+    assert last["sequential_bytes"] == last["residual_bytes"] == 0
+    assert stats["residual_bytes"] == head["residual_bytes"] and not stats["fp16_wire"]
+    assert all(s["compute_s"] > 0 for s in stats["stages"])
+
+
+async def test_float16_on_the_wire_halves_the_activation_bytes_and_says_so(toy, ring):
+    _, manifest, directory = toy
+    request = {"op": "chat", "prompt_ids": PROMPT, "max_tokens": 5}
+    client = Client()
+    await asyncio.wait_for(ring[0].chat.op_chat(request, client.send), 20)
+    full = client.events[-1]["stats"]
+    async with running_ring(manifest, directory, Limits(send_timeout_s=5.0),
+                            fp16_wire=True) as halves:
+        client = Client()
+        await asyncio.wait_for(halves[0].chat.op_chat(request, client.send), 20)
+    half = client.events[-1]["stats"]
+    assert half["fp16_wire"] and not full["fp16_wire"]
+    assert half["sequential_bytes"] * 2 == full["sequential_bytes"]
+    assert half["residual_bytes"] * 2 == full["residual_bytes"]
+
+
+async def test_a_forwarded_chat_whose_client_leaves_ends_on_every_peer(ring):
+    client = Client(leave_after=2)
+    request = {"op": "chat", "prompt_ids": PROMPT, "max_tokens": 60}
+    with pytest.raises(ConnectionResetError):
+        await asyncio.wait_for(ring[1].chat.op_chat(request, client.send), 20)
+    await eventually(lambda: not ring[0].chat._forwarded, "the head ended the answer")
+    await eventually(
+        lambda: all(p.plane.worker.executor.sequence_count == 0 for p in ring), "K/V freed"
+    )
+
+
+async def test_a_chat_forwarded_before_the_head_knows_it_is_the_head_waits_for_it(toy, ring):
+    head, _, asker = ring
+    role, head.chat.head, head.chat.head_peer = head.chat.head, None, None
+    client = Client()
+    request = {"op": "chat", "prompt_ids": PROMPT, "max_tokens": 9}
+    asked = asyncio.ensure_future(asker.chat.op_chat(request, client.send))
+    await eventually(lambda: head.chat._forwarded, "the chat reached the head-to-be")
+    assert not client.events
+    head.chat.head = role
+    head.chat.set_head_peer("a")
+    await asyncio.wait_for(asked, 20)
+    assert client.events[-1]["token_ids"] == reference(toy[0], PROMPT, 9)
+
+
+async def test_errors_on_the_head_reach_a_forwarding_client_as_error_events(ring):
+    client = Client()
+    request = {"op": "chat", "prompt_ids": PROMPT, "max_tokens": 100}  # 3 + 100 > 64 positions
+    await asyncio.wait_for(ring[2].chat.op_chat(request, client.send), 20)
+    assert client.events == [
+        {"ok": False, "error": "3 prompt tokens + 100 new tokens exceed the model's 64 positions"}
+    ]
+
+
+async def test_text_prompts_need_a_tokenizer(ring):
+    with pytest.raises(PeerdError, match="no tokenizer"):
+        await ring[0].chat.op_chat({"messages": [{"role": "user", "content": "hi"}]}, Client().send)
+
+
+@pytest.mark.parametrize(
+    "request_, reason",
+    [
+        ({}, "exactly one of"),
+        ({"prompt_ids": [1], "messages": []}, "exactly one of"),
+        ({"prompt_ids": []}, "non-empty list of integers"),
+        ({"prompt_ids": ["1"]}, "non-empty list of integers"),
+        ({"messages": [{"role": "user"}]}, '"role", "content"'),
+        ({"prompt_ids": [1], "max_tokens": 0}, "max_tokens"),
+        ({"prompt_ids": [1], "max_tokens": True}, "max_tokens"),
+        ({"prompt_ids": [1], "top_p": 2}, "top-p"),
+        ({"prompt_ids": [1], "temperature": "hot"}, "sampling"),
+    ],
+)
+def test_malformed_chat_requests_are_refused_with_the_reason(request_, reason):
+    with pytest.raises(PeerdError, match=reason):
+        parse_chat(request_)
+
+
+def test_text_is_streamed_in_whole_characters_and_an_answer_cut_inside_one_ends_before_it(
+    hf_checkpoint,
+):
+    tokenizer = Tokenizer.from_dir(hf_checkpoint("llama"))
+    ids = tokenizer.encode("a猫", add_special_tokens=False)
+    cut = ids[:-1]  # the last byte of 猫 is missing
+    assert len(ids) >= 3 and tokenizer.decode(cut).endswith("\ufffd")
+    stream = TextStream(tokenizer)
+    pieces = [stream.add(token) for token in cut]
+    assert "".join(pieces) == stream.text == "a"

@@ -1,0 +1,105 @@
+"""The wire codec: round trips, zero-copy decoding, and refusal of malformed frames."""
+
+import msgpack
+import numpy as np
+import pytest
+
+from peerd.wire import protocol
+from peerd.wire.protocol import ProtocolError, StageData
+
+
+def _stage() -> StageData:
+    rng = np.random.default_rng(0)
+    return StageData(
+        plan="1.1",
+        seq_id="s1",
+        step=3,
+        tensors={
+            "hidden": rng.standard_normal((1, 5, 8), dtype=np.float32),
+            "position_ids": np.arange(5, dtype=np.int64).reshape(1, 5),
+            "mask": np.tril(np.ones((5, 5), dtype=bool)),
+            "half": rng.standard_normal((2, 3)).astype(np.float16),
+        },
+    )
+
+
+def test_stage_round_trip_preserves_every_tensor_bit_for_bit():
+    msg = _stage()
+    back = protocol.decode([bytes(f) for f in protocol.encode(msg)])
+    assert (back.seq_id, back.step) == (msg.seq_id, msg.step)
+    assert list(back.tensors) == list(msg.tensors)
+    for name, array in msg.tensors.items():
+        assert back.tensors[name].dtype == array.dtype
+        np.testing.assert_array_equal(back.tensors[name], array)
+
+
+def test_decoded_tensors_view_the_received_buffers_without_copying():
+    frames = [bytearray(f) for f in protocol.encode(_stage())]
+    back = protocol.decode(frames)
+    frames[1][0:4] = np.float32(42.0).tobytes()
+    assert back.tensors["hidden"][0, 0, 0] == 42.0
+
+
+def test_non_contiguous_arrays_travel_correctly():
+    base = np.arange(24, dtype=np.float32).reshape(4, 6)
+    msg = StageData(plan="1.1", seq_id="x", step=0, tensors={"t": base[:, ::2]})
+    back = protocol.decode(protocol.encode(msg))
+    np.testing.assert_array_equal(back.tensors["t"], base[:, ::2])
+
+
+def _header(frames) -> dict:
+    return msgpack.unpackb(frames[0])
+
+
+def _with_header(frames, **changes):
+    header = _header(frames)
+    header.update(changes)
+    return [msgpack.packb(header), *frames[1:]]
+
+
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda f: [], "empty"),
+        (lambda f: [b"\xc1garbage", *f[1:]], "not msgpack"),
+        (lambda f: [msgpack.packb([1, 2]), *f[1:]], "not a map"),
+        (lambda f: _with_header(f, v=99), "version"),
+        (lambda f: _with_header(f, kind="nope"), "unknown message kind"),
+        (lambda f: _with_header(f, step="3"), "step"),
+        (lambda f: _with_header(f, extra=1), "unexpected fields"),
+        (lambda f: f[:-1], "header lists"),
+        (lambda f: [*f[:-1], bytes(f[-1])[:-1]], "do not fit"),
+        (lambda f: _with_header(f, tensors=[["a", "complex64", [1]]] * 4), "bad name or dtype"),
+        (lambda f: _with_header(f, tensors=[["a", "float32", [-1]]] * 4), "bad shape"),
+        (lambda f: _with_header(f, tensors="x"), "expected a list"),
+    ],
+)
+def test_malformed_frames_raise_protocol_error_naming_the_fault(mutate, reason):
+    frames = [bytes(f) for f in protocol.encode(_stage())]
+    with pytest.raises(ProtocolError, match=reason):
+        protocol.decode(mutate(frames))
+
+
+def test_missing_field_is_refused():
+    frames = protocol.encode(_stage())
+    header = _header(frames)
+    del header["seq_id"]
+    with pytest.raises(ProtocolError, match="missing field 'seq_id'"):
+        protocol.decode([msgpack.packb(header), *frames[1:]])
+
+
+def test_oversized_message_is_refused(monkeypatch):
+    monkeypatch.setattr(protocol, "MAX_MESSAGE_BYTES", 64)
+    with pytest.raises(ProtocolError, match="exceeds"):
+        protocol.decode(protocol.encode(_stage()))
+
+
+def test_unregistered_types_cannot_be_encoded():
+    with pytest.raises(TypeError):
+        protocol.encode(object())
+
+
+def test_tensors_of_unsupported_dtype_cannot_be_sent():
+    msg = StageData(plan="1.1", seq_id="x", step=0, tensors={"c": np.zeros(2, dtype=np.complex64)})
+    with pytest.raises(TypeError, match="cannot travel"):
+        protocol.encode(msg)
