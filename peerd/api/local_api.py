@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from peerd.errors import PeerdError
+from peerd.errors import PeerdError, invalid
 
 log = logging.getLogger("peerd.api.local_api")
 
@@ -114,27 +114,27 @@ class LocalApi:
 
     async def _answer(self, line: bytes | None, send: Send) -> None:
         if line is None:
-            await send({"ok": False, "error": f"request longer than {MAX_LINE_BYTES} bytes"})
+            await send(invalid(f"request longer than {MAX_LINE_BYTES} bytes").answer())
             return
         try:
             request = json.loads(line)
         except ValueError:
-            await send({"ok": False, "error": "request is not JSON"})
+            await send(invalid("request is not JSON").answer())
             return
         except RecursionError:  # e.g. 30000 nested brackets, well within one line
-            await send({"ok": False, "error": "request is nested too deeply"})
+            await send(invalid("request is nested too deeply").answer())
             return
         if not isinstance(request, dict) or not isinstance(request.get("op"), str):
-            await send({"ok": False, "error": 'request must be an object with a string "op"'})
+            await send(invalid('request must be an object with a string "op"').answer())
             return
         op = self._ops.get(request["op"])
         if op is None:
-            await send({"ok": False, "error": f"unknown op {request['op']!r}"})
+            await send(invalid(f"unknown op {request['op']!r}").answer())
             return
         try:
             await op(request, send)
         except PeerdError as exc:
-            await send({"ok": False, "error": str(exc)})
+            await send(exc.answer())
         except (ConnectionError, asyncio.CancelledError):
             raise
         except Exception:  # a bug in one op must not take the socket down

@@ -24,7 +24,7 @@ from typing import Any
 
 from peerd import statedir
 from peerd.commands.client import call, chat_events
-from peerd.errors import PeerdError
+from peerd.errors import ErrorKind, PeerdError
 
 # An answer may take a while to start when the cluster is busy; the daemon's own deadlines
 # end a stuck answer with an error, so the client waits without a timeout of its own.
@@ -37,8 +37,6 @@ HELP = """\
 /reset  forget the conversation so far
 /help   this list
 /exit   leave (so do Ctrl-D, and Ctrl-C at the prompt)"""
-# The head's refusal of text for a model without a tokenizer says this (peerd/inference/serving.py).
-_NO_TOKENIZER = "no tokenizer"
 
 Message = dict[str, str]
 
@@ -90,17 +88,18 @@ def stream_answer(
     with contextlib.closing(chat_events(state_dir, request, ANSWER_TIMEOUT_S)) as events:
         for event in events:
             if event.get("ok") is False:
-                _refuse(event.get("error", "the cluster could not answer"))
+                _refuse(event)
             if event.get("event") == "token" and on_piece is not None:
                 on_piece(event.get("text", ""))
     return event  # the done event: the last, since an error answer was refused above
 
 
-def _refuse(error: str) -> None:
-    if _NO_TOKENIZER in error:
+def _refuse(answer: dict[str, Any]) -> None:
+    kind = ErrorKind.parse(answer.get("kind"))
+    if kind is ErrorKind.NO_TOKENIZER:
         raise NoTokenizer("the model has no tokenizer, so it takes no text: "
-                          "give the prompt as token ids with --prompt-ids")
-    raise PeerdError(error)
+                          "give the prompt as token ids with --prompt-ids", kind)
+    raise PeerdError(answer.get("error", "the cluster could not answer"), kind)
 
 
 def _answer_line(state_dir: Path, request: dict[str, Any]) -> dict[str, Any]:

@@ -31,8 +31,8 @@ from typing import Any
 
 from peerd.control.deploy import LoadedStage
 from peerd.control.planning import context_for
-from peerd.errors import PeerdError
-from peerd.inference.answers import Answered, Answers, Request
+from peerd.errors import ErrorKind, PeerdError, invalid
+from peerd.inference.answers import Answered, Answers, Busy, Request
 from peerd.inference.dataplane import DataPlane, GenerationError, Limits
 from peerd.wire.protocol import (
     ChatCancel,
@@ -82,11 +82,11 @@ def parse_chat(request: dict[str, Any]) -> ChatBody:
     prompt_ids, messages = request.get("prompt_ids"), request.get("messages")
     prompt = request.get("prompt")
     if [prompt_ids, messages, prompt].count(None) != 2:
-        raise PeerdError('a chat needs exactly one of "prompt_ids", "messages" and "prompt"')
+        raise invalid('a chat needs exactly one of "prompt_ids", "messages" and "prompt"')
     if prompt is not None and not (isinstance(prompt, str) and prompt):
-        raise PeerdError('"prompt" must be a non-empty string')
+        raise invalid('"prompt" must be a non-empty string')
     if prompt_ids is not None and not (prompt_ids and _token_ids(prompt_ids)):
-        raise PeerdError('"prompt_ids" must be a non-empty list of integers, token ids >= 0')
+        raise invalid('"prompt_ids" must be a non-empty list of integers, token ids >= 0')
     if messages is not None and not (
         isinstance(messages, list)
         and messages
@@ -96,10 +96,10 @@ def parse_chat(request: dict[str, Any]) -> ChatBody:
             for m in messages
         )
     ):
-        raise PeerdError('"messages" must be a non-empty list of {"role", "content"} strings')
+        raise invalid('"messages" must be a non-empty list of {"role", "content"} strings')
     max_tokens = request.get("max_tokens", 32)
     if type(max_tokens) is not int or not 1 <= max_tokens <= MAX_CHAT_TOKENS:
-        raise PeerdError(f'"max_tokens" must be an integer from 1 to {MAX_CHAT_TOKENS}')
+        raise invalid(f'"max_tokens" must be an integer from 1 to {MAX_CHAT_TOKENS}')
     try:
         params = SamplingParams(
             float(request.get("temperature", 0.0)),
@@ -108,14 +108,14 @@ def parse_chat(request: dict[str, Any]) -> ChatBody:
             int(request.get("seed", 0)),
         )
     except (TypeError, ValueError, OverflowError) as exc:
-        raise PeerdError(f"bad sampling settings: {exc}") from None
+        raise invalid(f"bad sampling settings: {exc}") from None
     if not 0 <= params.seed <= MAX_SEED:
-        raise PeerdError(f"bad sampling settings: seed must be from 0 to {MAX_SEED}")
+        raise invalid(f"bad sampling settings: seed must be from 0 to {MAX_SEED}")
     produced = request.get("resume_ids", [])
     if not _token_ids(produced):
-        raise PeerdError('"resume_ids" must be a list of integers, token ids >= 0')
+        raise invalid('"resume_ids" must be a list of integers, token ids >= 0')
     if len(produced) >= max_tokens:
-        raise PeerdError('"resume_ids" must be shorter than "max_tokens"')
+        raise invalid('"resume_ids" must be shorter than "max_tokens"')
     return ChatBody(prompt_ids, messages, prompt, max_tokens, params, tuple(produced))
 
 
@@ -154,13 +154,14 @@ class ChatService:
         elif self.head_peer is not None:
             await self._forward({k: v for k, v in request.items() if k != "op"}, send)
         else:
-            raise PeerdError(self.problem or "no model is deployed yet (see peerd status)")
+            raise PeerdError(self.problem or "no model is deployed yet (see peerd status)",
+                             ErrorKind.UNAVAILABLE)
 
     async def answer(self, body: ChatBody, send: Send) -> None:
         """Answer on this peer, the head; streams token events, then the done event."""
         head = self.head
         if head is None:
-            raise PeerdError("this peer is no longer the head; ask again")
+            raise PeerdError("this peer is no longer the head; ask again", ErrorKind.UNAVAILABLE)
         prompt = self._prompt_ids(head, body)
         text = TextStream(head.tokenizer)
         for token in body.produced:
@@ -180,8 +181,10 @@ class ChatService:
             while (event := await events.get()) is not None:
                 await send(event)
             answered = generation.result()
+        except Busy as exc:
+            raise PeerdError(str(exc), ErrorKind.BUSY) from None
         except GenerationError as exc:
-            raise PeerdError(str(exc)) from None
+            raise PeerdError(str(exc), ErrorKind.UNAVAILABLE) from None
         finally:
             generation.cancel()
         stats = _stats(answered, len(prompt), started, token_times)
@@ -192,20 +195,20 @@ class ChatService:
         if body.prompt_ids is not None:
             prompt = body.prompt_ids
         elif head.tokenizer is None:
-            raise PeerdError("this model has no tokenizer: send prompt_ids")
+            raise PeerdError("this model has no tokenizer: send prompt_ids", ErrorKind.NO_TOKENIZER)
         elif body.prompt is not None:
             prompt = head.tokenizer.encode(body.prompt)
             if not prompt:
-                raise PeerdError("the prompt encodes to no tokens")
+                raise invalid("the prompt encodes to no tokens")
         else:
             try:
                 prompt = head.tokenizer.conversation_ids(body.messages)
             except ModelError as exc:
-                raise PeerdError(str(exc)) from None
+                raise invalid(str(exc)) from None
         if len(prompt) + body.max_tokens > head.max_positions:
             raise PeerdError(
                 f"{len(prompt)} prompt tokens + {body.max_tokens} new tokens exceed the "
-                f"model's {head.max_positions} positions"
+                f"model's {head.max_positions} positions", ErrorKind.PROMPT_TOO_LONG
             )
         return prompt
 
@@ -223,7 +226,8 @@ class ChatService:
         while True:
             head = self.head_peer
             if head is None:
-                raise PeerdError(self.problem or "the head went away and no plan replaced it")
+                raise PeerdError(self.problem or "the head went away and no plan replaced it",
+                                 ErrorKind.UNAVAILABLE)
             asked = {**body, "resume_ids": list(streamed)} if streamed else body
             if self.head is not None:  # this peer became the head
                 await self.answer(parse_chat(asked), send)
@@ -245,7 +249,7 @@ class ChatService:
             try:
                 await self.transport.deliver(head, ChatRequest(chat_id, body), RELAY_TIMEOUT_S)
             except TransportError as exc:
-                raise PeerdError(f"cannot reach the head: {exc}") from None
+                raise PeerdError(f"cannot reach the head: {exc}", ErrorKind.UNAVAILABLE) from None
             while not finished:
                 event = await self._next_event(queue, head)
                 if event is None:
@@ -274,9 +278,11 @@ class ChatService:
                 return get.result()
             get.cancel()
             if time.monotonic() >= deadline:
-                raise PeerdError(f"the head sent nothing for {HEAD_SILENCE_S:.0f}s")
+                raise PeerdError(f"the head sent nothing for {HEAD_SILENCE_S:.0f}s",
+                                 ErrorKind.UNAVAILABLE)
         if self.head_peer is None:
-            raise PeerdError(self.problem or "the head went away and no plan replaced it")
+            raise PeerdError(self.problem or "the head went away and no plan replaced it",
+                                 ErrorKind.UNAVAILABLE)
         return None
 
     def handle(self, sender: str, message: Any) -> None:
@@ -303,7 +309,7 @@ class ChatService:
                 await self.answer(parse_chat(message.body), relay)
             except PeerdError as exc:
                 with contextlib.suppress(TransportError):
-                    await relay({"ok": False, "error": str(exc)})
+                    await relay(exc.answer())
             except TransportError:
                 pass  # the asking peer is gone; its answer ended with the cancellation above
             finally:

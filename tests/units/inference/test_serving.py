@@ -99,7 +99,8 @@ async def test_errors_on_the_head_reach_a_forwarding_client_as_error_events(ring
     request = {"op": "chat", "prompt_ids": PROMPT, "max_tokens": 100}  # 3 + 100 > 64 positions
     await asyncio.wait_for(ring[2].chat.op_chat(request, client.send), 20)
     assert client.events == [
-        {"ok": False, "error": "3 prompt tokens + 100 new tokens exceed the model's 64 positions"}
+        {"ok": False, "error": "3 prompt tokens + 100 new tokens exceed the model's 64 positions",
+         "kind": "prompt_too_long"}
     ]
 
 
