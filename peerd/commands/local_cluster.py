@@ -24,6 +24,7 @@ from peerd.commands.client import call
 from peerd.control.planning import context_for
 from peerd.errors import PeerdError
 from peerd.wire import identity
+from peerd.wire.states import ModelState
 from planner.model import Cluster
 from shards.manifest import Manifest
 
@@ -222,7 +223,7 @@ def _progress(document: dict | None) -> str:
         return "waiting for peer0"
     model, plan = document.get("model"), document.get("plan")
     members = _alive(document)
-    if not model or model.get("state") != "ready":
+    if not model or model.get("state") != ModelState.READY:
         detail = (model or {}).get("detail") or "starting"
         return f"{members} peers; model: {detail}"
     if not plan or not plan["stages"]:

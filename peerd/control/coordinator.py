@@ -46,6 +46,7 @@ from peerd.wire.protocol import (
     PlanRebalance,
     PlanStage,
 )
+from peerd.wire.states import DeployState, ModelState
 from peerd.wire.transport import TransportError
 from planner import model as pm
 from planner.constraints import violations
@@ -66,7 +67,7 @@ class ModelStatus:
 
     peer: str
     name: str
-    state: str
+    state: ModelState
     detail: str
     manifest: Manifest | None = None
 
@@ -90,7 +91,7 @@ class _PlanInputs:
     epoch: int
     peers: frozenset[str]
     model_peer: str | None
-    model_state: str | None
+    model_state: ModelState | None
     model_key: str | None
 
 
@@ -262,11 +263,11 @@ class Coordinator:
     def _stage_ready(self, stage: PlanStage) -> bool:
         report = self.reports.get(stage.peer)
         units = tuple(range(stage.first, stage.last + 1))
-        return report is not None and report.state == "ready" and report.units == units
+        return report is not None and report.state == DeployState.READY and report.units == units
 
     def _needs_plan(self, member: str) -> bool:
         report = self.reports.get(member)
-        return report is None or report.state == "failed"
+        return report is None or report.state == DeployState.FAILED
 
     # -- the model ------------------------------------------------------------------------------
 
@@ -288,18 +289,20 @@ class Coordinator:
         except TransportError as exc:  # it answered the measurement: keep what it said last
             log.info("no manifest from %s: %s", peer, exc)
             return known
-        if offer.state != "ready":
-            return ModelStatus(peer, offer.model, offer.state, offer.detail)
+        if offer.state != ModelState.READY:
+            return ModelStatus(peer, offer.model, ModelState(offer.state), offer.detail)
         manifest = self._manifests.get(offer.key)
         if offer.manifest is not None:
             try:
                 manifest = Manifest.from_dict(offer.manifest)
             except ManifestError as exc:
-                return ModelStatus(peer, offer.model, "failed", f"unusable manifest: {exc}")
+                return ModelStatus(peer, offer.model, ModelState.FAILED,
+                                   f"unusable manifest: {exc}")
             self._manifests = {manifest.key: manifest}
         if manifest is None or manifest.key != offer.key:
-            return ModelStatus(peer, offer.model, "failed", "the manifest did not arrive")
-        return ModelStatus(peer, offer.model, "ready", offer.detail, manifest)
+            return ModelStatus(peer, offer.model, ModelState.FAILED,
+                               "the manifest did not arrive")
+        return ModelStatus(peer, offer.model, ModelState.READY, offer.detail, manifest)
 
     # -- planning -------------------------------------------------------------------------------
 
@@ -309,7 +312,8 @@ class Coordinator:
         if model is None:
             return self._problem(epoch, plan_id, "no peer serves a model (start one with --model)")
         if model.manifest is None:
-            what = "is sharding" if model.state == "sharding" else f"failed: {model.detail}"
+            sharding = model.state == ModelState.SHARDING
+            what = "is sharding" if sharding else f"failed: {model.detail}"
             return self._problem(epoch, plan_id, f"model {model.name} on peer {model.peer} {what}")
         manifest = model.manifest
         try:

@@ -28,14 +28,13 @@ from typing import Any
 from peerd.control.unit_store import UnitStore
 from peerd.control.unit_transfer import CHUNK_BYTES, Ask, fetch_file
 from peerd.wire.protocol import DeployReport, PlanAssignment, PlanStage
+from peerd.wire.states import DeployState
 from shards.executor import StageExecutor
 from shards.manifest import Manifest, ManifestError, Unit, UnitFile
 
 log = logging.getLogger("peerd.control.deploy")
 
 REPORT_INTERVAL_S = 1.0
-FETCHING, LOADING, READY, FAILED = "fetching", "loading", "ready", "failed"
-IDLE, PENDING = "idle", "pending"  # no plan yet; a plan accepted, work not started
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +53,7 @@ class LoadedStage:
 
 @dataclasses.dataclass
 class Progress:
-    state: str = IDLE
+    state: DeployState = DeployState.IDLE
     received: int = 0
     total: int = 0
     detail: str = ""
@@ -109,7 +108,7 @@ class Deployment:
             return False
         if current is not None and _order(plan) == _order(current):
             if self._task is None or self._task.done():
-                if self.progress.state == FAILED:
+                if self.progress.state == DeployState.FAILED:
                     self._start(plan)  # the leader asks again: retry
                 else:
                     self._send_report()
@@ -122,7 +121,7 @@ class Deployment:
             self._task.cancel()
         self.assignment = plan
         self.manifest = None
-        self.progress = Progress(PENDING)
+        self.progress = Progress(DeployState.PENDING)
         self._have = {}
         self._task = asyncio.create_task(self._deploy(plan), name=f"deploy-{plan.plan_id}")
 
@@ -138,14 +137,14 @@ class Deployment:
             self.manifest = _manifest(plan)
             if stage is None:
                 self.loaded = None
-                self._set(READY, detail=plan.problem or "no stage in this plan")
+                self._set(DeployState.READY, detail=plan.problem or "no stage in this plan")
             else:
                 await self._deploy_stage(plan, stage, self.manifest)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any failure is reported to the leader, who asks again
             log.error("plan %d: cannot deploy units %s: %s", plan.plan_id, _range(stage), exc)
-            self._set(FAILED, detail=str(exc) or type(exc).__name__)
+            self._set(DeployState.FAILED, detail=str(exc) or type(exc).__name__)
 
     async def _deploy_stage(
         self, plan: PlanAssignment, stage: PlanStage, manifest: Manifest
@@ -154,18 +153,18 @@ class Deployment:
         if loaded and (loaded.manifest.key, loaded.first, loaded.last) == (
             manifest.key, stage.first, stage.last
         ):
-            self._set(READY, detail="units already loaded")
+            self._set(DeployState.READY, detail="units already loaded")
             return
         units = manifest.units[stage.first : stage.last + 1]
         paths = await self._unit_paths(plan.model_peer, units)
-        self._set(LOADING, detail=f"loading units {_range(stage)}")
+        self._set(DeployState.LOADING, detail=f"loading units {_range(stage)}")
         self.loaded = None  # free the old stage's memory before loading the new one
         executor = await asyncio.to_thread(
             StageExecutor, _at_paths(manifest, paths), self.store.root, stage.first, stage.last
         )
         self.loaded = LoadedStage(manifest, stage.first, stage.last, executor)
         log.info("plan %d: loaded units %s", plan.plan_id, _range(stage))
-        self._set(READY, detail=f"loaded units {_range(stage)}")
+        self._set(DeployState.READY, detail=f"loaded units {_range(stage)}")
 
     async def _unit_paths(self, model_peer: str, units: tuple[Unit, ...]) -> dict[int, Path]:
         """Where each unit's model file is (its data file beside it), after fetching the
@@ -187,7 +186,7 @@ class Deployment:
 
     async def _fetch(self, model_peer: str, missing: list[tuple[Unit, UnitFile]]) -> None:
         total = sum(file.bytes for _, file in missing)
-        self._set(FETCHING, total=total, detail=f"fetching {len(missing)} unit files")
+        self._set(DeployState.FETCHING, total=total, detail=f"fetching {len(missing)} unit files")
         ask = self._ask(model_peer)
         for unit, file in missing:
             await fetch_file(ask, self.store, file, self._chunk_bytes, self._fetched)
@@ -204,11 +203,11 @@ class Deployment:
 
     # -- reports -------------------------------------------------------------------------------
 
-    def _set(self, state: str, total: int | None = None, detail: str = "") -> None:
+    def _set(self, state: DeployState, total: int | None = None, detail: str = "") -> None:
         self.progress.state = state
         self.progress.detail = detail
         plan = self.assignment
-        self.ready_plan = plan.key if state == READY and plan is not None else None
+        self.ready_plan = plan.key if state == DeployState.READY and plan is not None else None
         if total is not None:
             self.progress.total, self.progress.received = total, 0
         self._send_report()

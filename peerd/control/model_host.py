@@ -24,12 +24,11 @@ from pathlib import Path
 
 from peerd.control.unit_store import file_sha256
 from peerd.wire.protocol import ManifestOffer
+from peerd.wire.states import ModelState
 from shards.manifest import Manifest, ManifestError, Quant
 from shards.source import open_model
 
 log = logging.getLogger("peerd.control.model_host")
-
-SHARDING, READY, FAILED = "sharding", "ready", "failed"
 
 
 class ModelHost:
@@ -38,7 +37,7 @@ class ModelHost:
         self.quant = quant
         self.name = open_model(self.model_dir).name
         self._state_dir = Path(state_dir)
-        self.state = SHARDING
+        self.state = ModelState.SHARDING
         self.detail = "starting"
         self.manifest: Manifest | None = None
         self.files: Mapping[str, Path] = {}
@@ -50,11 +49,11 @@ class ModelHost:
             directory = await self._shard()
             self.manifest = await asyncio.to_thread(_checked_manifest, directory)
         except ShardingFailed as exc:
-            self.state, self.detail = FAILED, str(exc)
+            self.state, self.detail = ModelState.FAILED, str(exc)
             log.error("cannot serve model %s: %s", self.name, exc)
             return
         self.files = self.manifest.files_in(directory)
-        self.state = READY
+        self.state = ModelState.READY
         self.detail = f"{len(self.manifest.units)} units in {directory}"
         log.info("model %s ready: %s", self.name, self.detail)
 
@@ -88,7 +87,7 @@ class ModelHost:
             return ManifestOffer(req, self.name, self.state, self.detail, None, None)
         key = self.manifest.key
         content = None if have == key else self.manifest.to_dict()
-        return ManifestOffer(req, self.name, READY, self.detail, key, content)
+        return ManifestOffer(req, self.name, ModelState.READY, self.detail, key, content)
 
     async def close(self) -> None:
         """Stop a sharding child that is still running."""

@@ -29,6 +29,8 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
+from peerd.wire.states import OFFERED_MODEL_STATES, REPORTED_DEPLOY_STATES, ModelState
+
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 MAX_HEADER_BYTES = 1024 * 1024
@@ -522,8 +524,6 @@ class ClusterReport:
 # --model)
 
 MAX_CHUNK_BYTES = 16 * 1024 * 1024
-MODEL_STATES = ("sharding", "ready", "failed")
-DEPLOY_STATES = ("fetching", "loading", "ready", "failed")
 _HEX_DIGITS = frozenset("0123456789abcdef")
 
 
@@ -561,8 +561,9 @@ class ManifestOffer:
     manifest: dict[str, Any] | None
 
     def __post_init__(self):
-        _require(self.state in MODEL_STATES, f"manifest-offer: unknown state {self.state!r}")
-        _require((self.key is not None) == (self.state == "ready"),
+        _require(self.state in OFFERED_MODEL_STATES,
+                 f"manifest-offer: unknown state {self.state!r}")
+        _require((self.key is not None) == (self.state == ModelState.READY),
                  "manifest-offer: a key comes with state ready, and only then")
         _require(self.manifest is None or self.key is not None,
                  "manifest-offer: a manifest without a key")
@@ -667,7 +668,8 @@ class DeployReport:
     detail: str
 
     def __post_init__(self):
-        _require(self.state in DEPLOY_STATES, f"deploy-report: unknown state {self.state!r}")
+        _require(self.state in REPORTED_DEPLOY_STATES,
+                 f"deploy-report: unknown state {self.state!r}")
         _require(0 <= self.received <= self.total, "deploy-report: bad byte counts")
 
 

@@ -24,8 +24,9 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -47,6 +48,7 @@ SEND_HWM = {HELLO: 16, CONTROL: 1000, DATA: 64}
 # libzmq I/O thread bitmask per channel: data has its own thread.
 AFFINITY = {HELLO: 1, CONTROL: 1, DATA: 2}
 RECONNECT_MS, RECONNECT_MAX_MS = 100, 1000
+A = TypeVar("A")  # the kind of answer a request expects
 HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -297,19 +299,30 @@ class Transport:
         except TimeoutError:
             raise TransportError(f"{peer_id} took no {msg.KIND} for {timeout}s") from None
 
-    async def request(self, peer_id: str, msg: Any, timeout: float) -> Any:
-        """Send a message with a fresh ``req`` and wait for the answer carrying it."""
+    @typing.overload
+    async def request(self, peer_id: str, msg: Any, timeout: float) -> Any: ...
+
+    @typing.overload
+    async def request(self, peer_id: str, msg: Any, timeout: float, answer: type[A]) -> A: ...
+
+    async def request(self, peer_id: str, msg: Any, timeout: float,
+                      answer: type[A] | None = None) -> Any:
+        """Send a message with a fresh ``req`` and wait for the answer carrying it; with
+        ``answer``, an answer of another kind is a TransportError."""
         req = next(self._requests)
         future = asyncio.get_running_loop().create_future()
         self._pending[req] = future
         try:
             if not self.send(peer_id, dataclasses.replace(msg, req=req)):
                 raise TransportError(f"{peer_id} is not reachable")
-            return await asyncio.wait_for(future, timeout)
+            got = await asyncio.wait_for(future, timeout)
         except TimeoutError:
             raise TransportError(f"{peer_id} did not answer {msg.KIND} in {timeout}s") from None
         finally:
             self._pending.pop(req, None)
+        if answer is not None and not isinstance(got, answer):
+            raise TransportError(f"{peer_id} answered {msg.KIND} with {got.KIND}")
+        return got
 
     async def hello(self, host: str, port: int, msg: protocol.Hello, timeout: float) -> Any:
         """Introduce ourselves to a static peer's hello socket and return its answer."""
