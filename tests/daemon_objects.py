@@ -22,7 +22,7 @@ async def unstarted_daemon(state_dir: Path, options: Options | None = None):
         yield daemon
     finally:
         await daemon.serving.close()
-        await daemon.deployment.close()
+        await daemon.plans.close()
         await daemon.transport.close()
 
 
@@ -30,7 +30,7 @@ def join(daemon: Daemon, name: str) -> PeerRecord:
     """A member the daemon has heard from (its record and one heartbeat)."""
     keys = KeyPair.generate()
     record = PeerRecord(peer_id_for(keys.public), name, "run1", keys.public, 1, 2, 3)
-    daemon._on_record(record, "127.0.0.1")
-    daemon._membership_event(membership.HeartbeatSeen(record.id, "run1", True, 1e9,
-                                                      time.monotonic()))
+    daemon.cluster.on_record(record, "127.0.0.1")
+    daemon.cluster.apply_membership(membership.HeartbeatSeen(record.id, "run1", True, 1e9,
+                                                            time.monotonic()))
     return record

@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="as leader, keep a deployed plan when load or battery change (default: move "
         "work when a better plan is predicted 15%% faster for a few seconds)",
     )
-    p.set_defaults(handler="peerd.daemon.wiring:cmd_start")
+    p.set_defaults(handler="peerd.daemon.start:cmd_start")
 
     p = sub.add_parser("stop", help="stop the local daemon cleanly")
     _add_state_dir(p)

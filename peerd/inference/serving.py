@@ -10,10 +10,11 @@ If the head itself goes away mid-answer, the forwarding peer asks the next head 
 it: the same request with the tokens already streamed (`resume_ids`), which the new head
 re-prefills and continues from.
 
-`Serving` keeps one `DataPlane` per plan this peer has loaded a stage of. A new plan's plane
-is built as soon as its units are loaded, while the old one keeps answering; once the
-leader's report shows every stage of the new plan loaded, the head moves its answers over
-and every peer retires the older planes (peerd/inference/answers.py says how answers move).
+`Serving` keeps one `DataPlane` per plan this peer has loaded a stage of, and follows the
+events of peerd/control/plan_live.py: on `StageLoaded` it builds the new plan's plane while the
+old one keeps answering; on `PlanLive` (the leader's report shows every stage of the new plan
+loaded) the head moves its answers over and every peer retires the older planes
+(peerd/inference/answers.py says how answers move). Reading its status changes nothing.
 """
 
 from __future__ import annotations
@@ -29,19 +30,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from peerd.cluster.membership import Member
+from peerd.cluster.peers import Handler
 from peerd.control.deploy import LoadedStage
+from peerd.control.plan_live import PlanEvent, PlanLive, StageLoaded
 from peerd.control.planning import context_for
 from peerd.errors import ErrorKind, PeerdError, invalid
 from peerd.inference.answers import Answered, Answers, Busy, Request
 from peerd.inference.dataplane import DataPlane, GenerationError, Limits
+from peerd.wire import protocol
 from peerd.wire.protocol import (
     ChatCancel,
     ChatEvent,
     ChatRequest,
-    PeerFigures,
     PlanAssignment,
 )
-from peerd.wire.transport import Transport, TransportError
+from peerd.wire.transport import Incoming, Transport, TransportError
 from shards.errors import ModelError, NoTokenizer
 from shards.manifest import Manifest
 from shards.sampling import SamplingParams
@@ -63,6 +67,12 @@ HANDOVER_S = 10.0
 MAX_CHAT_TOKENS = 8192
 MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; the model refuses ids past its own
 MAX_SEED = 2**64 - 1  # the largest seed SequenceOpen carries (msgpack integers)
+CHAT_KINDS = (ChatRequest, ChatEvent, ChatCancel)
+PLANE_KINDS = (
+    protocol.StageData, protocol.SequenceOpen, protocol.SequenceToken, protocol.SequenceDrop,
+    protocol.SequenceFailed, protocol.SequenceStatsRequest, protocol.SequenceMove,
+    protocol.SequenceState,
+)
 
 
 @dataclass(frozen=True)
@@ -363,14 +373,6 @@ def plane_of(planes: dict[str, DataPlane], message: Any) -> DataPlane | None:
     return owner or next(reversed(planes.values()), None)
 
 
-def plan_active(plan: PlanAssignment | None, figures: tuple[PeerFigures, ...] | None) -> bool:
-    """Whether the leader's latest report shows every stage peer ready with this plan."""
-    if plan is None or not plan.stages or figures is None:
-        return False
-    ready = {f.id: f.plan for f in figures}
-    return all(ready.get(stage.peer) == plan.key for stage in plan.stages)
-
-
 class Serving:
     """The data planes and chat service of the plans this peer has a stage in."""
 
@@ -394,22 +396,24 @@ class Serving:
         """The newest plane."""
         return next(reversed(self.planes.values()), None)
 
-    def refresh(self, plan: PlanAssignment | None, loaded: LoadedStage | None,
-                figures: tuple[PeerFigures, ...] | None) -> None:
-        if plan is None:
-            return
-        if not plan.stages:
-            self._retire_all_but(None)
-            self.chat.head = None
-            self.chat.set_head_peer(None, plan.problem)
-            self.answers.use(None, problem=plan.problem)
-            return
-        plane = self._plane_for(plan, loaded)
-        if not plan_active(plan, figures):
-            return  # the older plans keep answering until this one is ready everywhere
-        alive = {f.id for f in figures}
+    def on_plan(self, event: PlanEvent) -> None:
+        match event:
+            case StageLoaded(plan=plan, loaded=loaded):
+                self._plane_for(plan, loaded)
+            case PlanLive(plan=plan) if not plan.stages:
+                self._retire_all_but(None)
+                self.chat.head = None
+                self.chat.set_head_peer(None, plan.problem)
+                self.answers.use(None, problem=plan.problem)
+            case PlanLive(plan=plan, loaded=loaded, alive=alive):
+                self._serve(plan, loaded, alive)
+
+    def _serve(self, plan: PlanAssignment, loaded: LoadedStage | None,
+               alive: frozenset[str]) -> None:
+        """Answer on `plan` from now on: the head's answers move to its plane."""
+        plane = self.planes.get(plan.key)
         self.chat.set_head_peer(plan.stages[0].peer)
-        if plane is not None and plane.is_head:
+        if plane is not None and plane.is_head and loaded is not None:
             self.answers.use(plane, context_for(loaded.manifest))
             if self.chat.head is None or self.chat.head.model_key != loaded.manifest.key:
                 self.chat.head = self._head(loaded.manifest)
@@ -417,17 +421,12 @@ class Serving:
             self.chat.head = None
             self.answers.use(None, problem=f"the head moved to peer {plan.stages[0].peer}; "
                              "ask again")
-        self._retire_all_but(plane, alive)
+        self._retire_all_but(plane, set(alive))
 
-    def _plane_for(self, plan: PlanAssignment, loaded: LoadedStage | None) -> DataPlane | None:
+    def _plane_for(self, plan: PlanAssignment, loaded: LoadedStage) -> DataPlane:
         """This peer's plane of `plan`, built once its stage's units are loaded."""
         if plan.key in self.planes:
             return self.planes[plan.key]
-        stage = next((s for s in plan.stages if s.peer == self.me), None)
-        if stage is None or loaded is None or (loaded.first, loaded.last) != (
-            stage.first, stage.last
-        ) or loaded.manifest.key != plan.manifest.get("key"):
-            return None
         ring = [(s.peer, s.first, s.last) for s in plan.stages]
         plane = DataPlane(self.me, self.transport, ring, loaded.manifest, loaded.executor,
                           self.fp16_wire, self.limits, plan.key, self.planes)
@@ -473,8 +472,15 @@ class Serving:
             self.planes.pop(key, None)
             self._retiring.discard(key)
 
+    def handlers(self) -> dict[type, Handler]:
+        """The kinds answered here: chats, and data messages for the plane of their plan."""
+        return dict.fromkeys((*PLANE_KINDS, *CHAT_KINDS), self._message)
+
+    def _message(self, member: Member, message: Any, incoming: Incoming) -> None:
+        self.handle(member.id, message, incoming.reply)
+
     def handle(self, sender: str, message: Any, reply: Callable[[Any], None]) -> None:
-        if isinstance(message, (ChatRequest, ChatEvent, ChatCancel)):
+        if isinstance(message, CHAT_KINDS):
             self.chat.handle(sender, message)
             return
         plane = plane_of(self.planes, message)

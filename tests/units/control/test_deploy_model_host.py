@@ -16,7 +16,7 @@ from sharding import sharded
 from peerd.commands.cli import build_parser
 from peerd.control.model_host import ModelHost
 from peerd.control.unit_transfer import ChunkServer
-from peerd.daemon.wiring import options_from_args
+from peerd.daemon.start import options_from_args
 from peerd.wire.protocol import UnitChunk, UnitChunkRequest
 from shards.manifest import Manifest, Quant
 
@@ -71,7 +71,7 @@ async def test_peerd_start_hands_its_quant_to_the_model_host(tmp_path, flags, qu
     args = build_parser().parse_args(
         ["start", "--state-dir", str(tmp_path), "--model", str(tmp_path), *flags])
     async with unstarted_daemon(tmp_path, options_from_args(args)) as daemon:
-        assert daemon.model_host.quant is quant
+        assert daemon.plans.model_host.quant is quant
 
 
 async def test_a_model_that_cannot_be_sharded_is_reported_not_raised(tmp_path):
@@ -90,7 +90,7 @@ import sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 from toy_units import ToyModel, write_toy
-import peerd.daemon.wiring, peerd.control.deploy, peerd.control.coordinator
+import peerd.daemon.start, peerd.control.deploy, peerd.control.coordinator
 import peerd.control.model_host, peerd.control.planning
 from shards.executor import StageExecutor
 manifest = write_toy(Path({directory!r}), ToyModel())

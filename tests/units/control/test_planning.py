@@ -20,7 +20,7 @@ from peerd.control.planning import (
     workload_from_manifest,
 )
 from peerd.control.rebalance import Policy
-from peerd.daemon.wiring import options_from_args
+from peerd.daemon.start import options_from_args
 from peerd.wire.protocol import (
     Battery,
     ClusterReport,
@@ -163,7 +163,7 @@ async def test_peerd_start_objective_decides_what_the_leaders_plans_optimise(
     for argv, objective in (([], "throughput"), (["--objective", "latency"], "latency")):
         args = build_parser().parse_args(["start", "--state-dir", str(tmp_path), *argv])
         async with unstarted_daemon(tmp_path, options_from_args(args)) as daemon:
-            assert daemon.coordinator.objective == objective
+            assert daemon.plans.coordinator.objective == objective
     measured = report(figures("a", SMALL, model="toy"), figures("b", SMALL, flops=2e9),
                       figures("c", SMALL, flops=3e9))
     plans = {o: await Leader(manifest, objective=o).step(measured)

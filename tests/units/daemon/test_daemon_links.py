@@ -7,7 +7,7 @@ import time
 from daemon_objects import join, unstarted_daemon
 
 from peerd.cluster.election import Role
-from peerd.daemon.wiring import LINK_RETRY_S
+from peerd.cluster.measuring import LINK_RETRY_S
 
 EPOCH = 3
 
@@ -15,9 +15,10 @@ EPOCH = 3
 async def test_a_round_missing_links_probes_again_within_seconds(tmp_path):
     async with unstarted_daemon(tmp_path) as daemon:
         join(daemon, "newcomer")  # heard from, but nothing answers its probes yet
-        daemon.election = dataclasses.replace(daemon.election, epoch=EPOCH,
-                                              leader=daemon.id, role=Role.LEADER)
-        await daemon._measurement_round(EPOCH)
-        assert daemon._links == ()
-        due_in = daemon._links_at + daemon.options.links_interval_s - time.monotonic()
+        daemon.cluster.election = dataclasses.replace(
+            daemon.cluster.election, epoch=EPOCH, leader=daemon.id, role=Role.LEADER
+        )
+        await daemon.measuring.round(EPOCH)
+        assert daemon.measuring.links == ()
+        due_in = daemon.measuring.links_at + daemon.options.links_interval_s - time.monotonic()
         assert 0 < due_in <= LINK_RETRY_S

@@ -38,8 +38,9 @@ async def _follower(state_dir: Path):
     """A fresh daemon following the first of two members, the leader of epoch EPOCH."""
     async with unstarted_daemon(state_dir) as daemon:
         members = [join(daemon, name) for name in ("leader", "other")]
-        daemon.election = dataclasses.replace(daemon.election, epoch=EPOCH,
-                                              leader=members[0].id, role=Role.FOLLOWER)
+        daemon.cluster.election = dataclasses.replace(
+            daemon.cluster.election, epoch=EPOCH, leader=members[0].id, role=Role.FOLLOWER
+        )
         yield daemon, members
 
 
@@ -84,9 +85,9 @@ async def test_stale_and_wrong_messages_change_nothing_and_raise_nothing(tmp_pat
                 channel=msg.CHANNEL, sender_key=members[sender].public_key,
                 peer_address="127.0.0.1", msg=msg, reply=lambda answer: None,
             ))
-            state = daemon.election
+            state = daemon.cluster.election
             assert (state.leader, state.epoch, state.role) == (leader, EPOCH, Role.FOLLOWER)
-            assert daemon.deployment.assignment is None and daemon.report is None
+            assert daemon.plans.deployment.assignment is None and daemon.measuring.report is None
         tasks = list(daemon._tasks)
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
         assert [t.exception() for t in tasks if not t.cancelled() and t.exception()] == []
