@@ -32,10 +32,6 @@ class PlanLive:
     loaded: LoadedStage | None  # this peer's stage of it, if it has one
     alive: frozenset[str]  # the peers the leader's report measured
 
-    @property
-    def plan_id(self) -> int:
-        return self.plan.plan_id
-
 
 PlanEvent = StageLoaded | PlanLive
 
