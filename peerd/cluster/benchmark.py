@@ -149,7 +149,7 @@ async def measure_link(
     round_trips = []
     for _ in range(LATENCY_PINGS):
         start = time.perf_counter()
-        await transport.request(target, protocol.Ping(req=0), PING_TIMEOUT_S, protocol.Pong)
+        await transport.request(target, protocol.Ping(req=0), PING_TIMEOUT_S)
         round_trips.append(time.perf_counter() - start)
     round_trip = min(round_trips)
     probe = protocol.BandwidthProbe(
@@ -158,7 +158,7 @@ async def measure_link(
     bandwidth = 0.0
     for _ in range(PROBE_TRANSFERS):  # the best transfer: the first may still be in slow start
         start = time.perf_counter()
-        await transport.request(target, probe, TRANSFER_TIMEOUT_S, protocol.BandwidthAck)
+        await transport.request(target, probe, TRANSFER_TIMEOUT_S)
         elapsed = time.perf_counter() - start
         bandwidth = max(bandwidth, transfer_bandwidth(payload_bytes, elapsed, round_trip))
     return LinkFigures(source, target, one_way_latency(round_trips), bandwidth)

@@ -206,8 +206,7 @@ class DataPlane:
         ask = SequenceOpen(0, self.plan, seq_id, params.temperature, params.top_k, params.top_p,
                            params.seed, skip)
         try:
-            answer = await self.transport.request(self.peers[-1], ask, self.limits.send_timeout_s,
-                                                  SequenceOpened)
+            answer = await self.transport.request(self.peers[-1], ask, self.limits.send_timeout_s)
         except TransportError as exc:
             raise PlanBroken(f"the last stage did not answer: {exc}") from None
         if answer.error:
@@ -264,7 +263,7 @@ class DataPlane:
     async def _stage_cost(self, peer: str, seq_id: str) -> SequenceStats | None:
         try:
             return await self.transport.request(
-                peer, SequenceStatsRequest(0, seq_id), STATS_TIMEOUT_S, SequenceStats
+                peer, SequenceStatsRequest(0, seq_id), STATS_TIMEOUT_S
             )
         except TransportError as exc:
             log.info("no statistics of %s from %s: %s", seq_id, peer, exc)
@@ -296,8 +295,7 @@ class DataPlane:
     async def _asked(self, peer: str, request: SequenceMove | SequenceState) -> str | None:
         """Ask `peer` to move or store a sequence's K/V: None, or why it could not."""
         try:
-            answer = await self.transport.request(peer, request, self.limits.send_timeout_s,
-                                                  SequenceMoved)
+            answer = await self.transport.request(peer, request, self.limits.send_timeout_s)
         except TransportError as exc:
             return str(exc)
         return answer.error
