@@ -129,7 +129,7 @@ class Daemon:
         )
         self.coordinator = Coordinator(
             self._ask_manifest, self._send_plan, objective=options.objective,
-            policy=rebalance.Policy() if options.rebalance else None,
+            policy=rebalance.Policy() if options.rebalance else None, name_of=self._peer_name,
         )
         self.serving = Serving(
             identity.id, self.transport, Path(options.model) if options.model else None,
@@ -140,6 +140,7 @@ class Daemon:
         self._linked: frozenset[str] = frozenset()
         self._links_at = -math.inf
         self._round: asyncio.Task | None = None
+        self._planning = False  # the round has measured and is planning: let it finish
         self._probing: tuple[int, asyncio.Task] | None = None  # (epoch, session)
         self._stopping = asyncio.Event()
         self._remeasure = asyncio.Event()
@@ -326,7 +327,16 @@ class Daemon:
         self._peers_view = view
         if last is None or {c.id for c in last.peers} != {c.id for c in view.peers}:
             self._remeasure.set()
+        if last is not None and {c.id for c in last.peers} - {c.id for c in view.peers}:
+            self._abandon_measuring()
         self._election_event(view)
+
+    def _abandon_measuring(self) -> None:
+        """A voter left: a round still measuring may be waiting on it, and a frozen peer's
+        sockets stay open, so its requests would run to their timeouts (10 s for figures)
+        before the plan without it. Start over without it at once."""
+        if self._round is not None and not self._round.done() and not self._planning:
+            self._round.cancel()
 
     def _election_event(self, event: election.Event) -> None:
         self.election, actions = election.apply(self.election, event)
@@ -504,7 +514,11 @@ class Daemon:
         for peer_id in peers[1:]:
             self.transport.send(peer_id, report)
         self.events.publish(_measurements_event(report))
-        await self.solve_and_deploy(report)
+        self._planning = True
+        try:
+            await self.solve_and_deploy(report)
+        finally:
+            self._planning = False
 
     async def _ask_figures(self, peer_id: str, epoch: int) -> protocol.PeerFigures:
         if peer_id == self.id:
@@ -550,6 +564,10 @@ class Daemon:
         await self.coordinator.step(report.epoch, report, members)
 
     # -- deployment ---------------------------------------------------------------------------
+
+    def _peer_name(self, peer_id: str) -> str:
+        member = self.membership.members.get(peer_id)
+        return member.record.name if member else peer_id
 
     def _served_files(self) -> dict[str, Path]:
         return dict(self.model_host.files) if self.model_host else {}
