@@ -7,6 +7,7 @@ Resolution order: ``--state-dir``, ``$PEERD_STATE_DIR``, ``$STATE_DIRECTORY`` (s
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -47,14 +48,24 @@ def socket_path(state_dir: Path) -> Path:
 
 
 def write_secret_json(path: Path, content: dict[str, Any]) -> None:
-    """Write JSON readable by the owner only (0600), atomically."""
+    """Write JSON readable by the owner only (0600), atomically: to a temporary name,
+    synced, then renamed, so a crash or a full disk never leaves half a file under `path`.
+    A full disk is a PeerdError naming the directory."""
     tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(content, handle, indent=1)
-        handle.write("\n")
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            json.dump(content, handle, indent=1)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno == errno.ENOSPC:
+            raise PeerdError(f"no space left in {path.parent} (writing {path.name})") from None
+        raise
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -139,6 +139,13 @@ class Network:
             check=True, capture_output=True,
         )
 
+    def cut(self, i: int) -> None:
+        """Cut namespace i off the bridge (its cable pulled): a partition."""
+        _ip("link", "set", self.outer_device(i), "down")
+
+    def mend(self, i: int) -> None:
+        _ip("link", "set", self.outer_device(i), "up")
+
     def block_multicast(self, i: int) -> None:
         """Stop the bridge from passing multicast (mDNS) to namespace i, as some networks do."""
         subprocess.run(

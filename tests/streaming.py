@@ -17,6 +17,7 @@ import netns
 from sharding import seed_shard_cache
 
 from peerd.commands.client import chat_events
+from peerd.commands.local_cluster import budget_for
 from shards.manifest import Manifest
 
 SHARDED_S, DEPLOYED_S, ANSWER_S = 240, 120, 180
@@ -67,6 +68,36 @@ def shard_into_caches(model_dir: Path, dirs: list[Path]) -> Manifest:
     for state_dir in dirs:
         manifest = seed_shard_cache(state_dir, model_dir)
     return manifest
+
+
+def every_peer_with_the_model(model_dir: Path, root: Path, name: str, holders: int):
+    """State dirs and `peerd start` arguments for three peers that each serve the model
+    (pre-sharded into every cache), with budgets under which `holders` peers hold it."""
+    dirs = netns.make_state_dirs(root / name, 3)
+    manifest = shard_into_caches(model_dir, dirs)
+    # the largest slack that still leaves one peer fewer short: attention units are big
+    budget = budget_for(manifest, holders, spare=0.9)
+    args = {i: ["--memory-budget", budget, "--model", str(model_dir)] for i in range(3)}
+    return dirs, args
+
+
+def all_in_flight(askers, prompts, expected, attempts: int = 5) -> list[Answer]:
+    """Answers to every prompt, all streaming at once. An answer can run to its end before
+    the last one starts (a fast machine, a chat forwarded to the head): such an answer must
+    still be exact, and the round is asked again, since it shows nothing about a kill."""
+    for _ in range(attempts):
+        answers = [Answer(askers[i % len(askers)], p) for i, p in enumerate(prompts)]
+        netns.wait_for(lambda a=answers: all(len(x.tokens) >= 3 or x.done for x in a),
+                       ANSWER_S, "every answer streaming")
+        ended = [a for a in answers if a.done]
+        if not ended:
+            return answers
+        for answer in answers:
+            answer.end()
+        for answer in ended:
+            assert answer.error is None, answer.error
+            assert answer.tokens == expected[tuple(answer.prompt)]
+    raise AssertionError(f"in {attempts} rounds, an answer always ended before the last began")
 
 
 def head_of(peers: list[netns.Peer]) -> netns.Peer | None:

@@ -16,6 +16,25 @@
 * Any message of a higher epoch moves a peer to that epoch (a leader or candidate steps
   down); messages of a lower epoch are stale and ignored. Leaders announce themselves and
   every heartbeat carries the sender's (epoch, leader), so late joiners catch up.
+
+Partitions, and peers that sleep. An election is a *ballot* ``(epoch, candidate)``: only its
+candidate can win it, so two sides of a partition never win the same ballot, even when they
+stand in the same epoch number; two leaders of one number that meet keep the better one by
+capability (followers switch, the worse leader steps down), and a higher number is followed.
+What a ballot must not do is let one isolated peer -- a laptop whose lid closed, a peer cut
+off by the network -- bind the others: its epoch is higher than theirs when it returns, and
+they would follow the slowest machine of the house. A majority of the members known before
+would stop it, but a home of two devices must keep a leader when one is off, and a majority
+of two is two. So the rule here is the equivalent for the case that matters: **a win needs
+the vote of another member to bind.** A candidate that wins with no granted vote (it saw
+nobody, or every voter went away while it stood) leads *alone*: it serves whoever it can
+reach -- a lone survivor keeps answering -- but the moment it hears another member it
+abdicates, keeping its epoch with no leader. The others then either lead that epoch already
+(it adopts their leader), or are behind it and move to it leaderless (the rule above), and
+the best peer wins the next epoch with their votes. An isolated peer's win therefore never
+survives the heal; a win with votes does, and the best peer challenges it if it outranks it
+by the margin. A daemon that was itself frozen does not even stand: membership forgives the
+silence across its own stall (peerd/cluster/membership.py), so it wakes as a follower.
 """
 
 from __future__ import annotations
@@ -77,6 +96,7 @@ class Election:
     peers: Mapping[str, Candidate] = dataclasses.field(default_factory=dict)
     reachable: frozenset[str] = frozenset()
     settled: bool = False
+    alone: bool = False  # leads by its own vote only: abdicates on hearing another member
 
     def known(self, peer_id: str) -> Candidate | None:
         return self.me if peer_id == self.me.id else self.peers.get(peer_id)
@@ -195,9 +215,9 @@ def apply(state: Election, event: Event) -> Result:
     return state, tuple(actions)
 
 
-def _set_leader(state: Election, leader: str | None) -> Election:
+def _set_leader(state: Election, leader: str | None, alone: bool = False) -> Election:
     role = Role.LEADER if leader == state.me.id else Role.FOLLOWER
-    return dataclasses.replace(state, leader=leader, role=role, votes=frozenset())
+    return dataclasses.replace(state, leader=leader, role=role, votes=frozenset(), alone=alone)
 
 
 def _new_epoch(state: Election, epoch: int) -> Election:
@@ -291,6 +311,8 @@ def _evaluate(state: Election, now: float, actions: list[Action]) -> Election:
     live = state.reachable | {state.me.id}
     if state.leader is not None and state.leader not in live:
         state = _set_leader(state, None)
+    if state.alone and state.peers:
+        state = _set_leader(state, None)  # abdicate: the members heard now choose together
     if _should_stand(state, now):
         state = dataclasses.replace(
             state,
@@ -306,7 +328,7 @@ def _evaluate(state: Election, now: float, actions: list[Action]) -> Election:
             actions.append(RequestVotes(state.epoch, tuple(sorted(state.voters))))
     if state.role is Role.CANDIDATE:
         if state.voters & set(state.peers) <= state.votes:
-            state = _set_leader(state, state.me.id)
+            state = _set_leader(state, state.me.id, alone=not state.votes)
             actions.append(AnnounceLeader(state.epoch, tuple(sorted(state.peers))))
         elif now >= state.not_before:
             state = dataclasses.replace(

@@ -58,6 +58,8 @@ class Measuring:
         self.links_at = -math.inf
         self._linked: frozenset[str] = frozenset()
         self._round: asyncio.Task | None = None
+        self._planning = False  # the round has measured and is planning: let it finish
+        self._voters: frozenset[str] = frozenset()
         self._probing: tuple[int, asyncio.Task] | None = None  # (epoch, session)
         self._remeasure = asyncio.Event()
         self._listeners: list[Callable[[protocol.ClusterReport], None]] = []
@@ -72,12 +74,22 @@ class Measuring:
 
     def _cluster_changed(self, change: VotersChanged | election.LeaderChanged) -> None:
         match change:
-            case VotersChanged():
+            case VotersChanged(voters=voters):
+                if self._voters - voters:
+                    self._abandon_measuring()
+                self._voters = voters
                 self._remeasure.set()
             case election.LeaderChanged(leader=leader, epoch=epoch):
                 self._end_stale(leader, epoch)
                 if leader == self.cluster.me:
                     self._remeasure.set()
+
+    def _abandon_measuring(self) -> None:
+        """A voter left: a round still measuring may be waiting on it, and a frozen peer's
+        sockets stay open, so its requests would run to their timeouts (10 s for figures)
+        before the plan without it. Start over without it at once."""
+        if self._round is not None and not self._round.done() and not self._planning:
+            self._round.cancel()
 
     def _end_stale(self, leader: str | None, epoch: int) -> None:
         """A new epoch ends the probing done for an older one, and a deposed leader's round."""
@@ -115,7 +127,11 @@ class Measuring:
         """One round and its planning step: both end when this peer is deposed."""
         report = await self.round(epoch)
         if report is not None:
-            await plan(report)
+            self._planning = True
+            try:
+                await plan(report)
+            finally:
+                self._planning = False
 
     async def round(self, epoch: int) -> protocol.ClusterReport | None:
         """One measurement round for `epoch`; its report goes to every voter (None when

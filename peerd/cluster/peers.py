@@ -89,6 +89,11 @@ class ClusterView:
         """This peer first, then the voting members by id: the peers a plan may use."""
         return [self.me, *sorted(m.id for m in self.membership.voters())]
 
+    def name_of(self, peer_id: str) -> str:
+        """The peer's human name, or its id if it is not a member."""
+        member = self.membership.members.get(peer_id)
+        return member.record.name if member else peer_id
+
     def member_by_key(self, public_key: str) -> Member | None:
         return next((m for m in self.membership.members.values()
                      if m.record.public_key == public_key), None)

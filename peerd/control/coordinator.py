@@ -105,10 +105,11 @@ class Coordinator:
         settle_s: float = REPLAN_SETTLE_S,
         clock: Callable[[], float] = time.monotonic,
         policy: rebalance.Policy | None = rebalance.Policy(),  # noqa: B008 - frozen
+        name_of: Callable[[str], str] = str,
     ):
         """`ask_manifest(peer, have_key)` returns that peer's ManifestOffer; `send(peer, msg)`
         delivers a message to a member (this peer included); `policy` is when to rebalance
-        (None: never)."""
+        (None: never); `name_of(peer)` is a peer's name, for messages."""
         self._ask_manifest = ask_manifest
         self._send = send
         self.objective = objective
@@ -124,9 +125,12 @@ class Coordinator:
         self.policy = policy
         self._rebalancing = rebalance.State()
         self._plan_ids = itertools.count(1)
+        self._name_of = name_of
+        self._cause: str | None = None  # which peers of the plan stopped answering
 
     async def step(self, epoch: int, report: ClusterReport, members: Iterable[str]) -> None:
         """Plan anew if the inputs changed, and (re)send the plan to members that need it."""
+        self._cause = self._stopped_answering(report)
         self.model = await self._find_model(report)
         model = self.model
         inputs = _PlanInputs(
@@ -144,6 +148,8 @@ class Coordinator:
                 await self._retry(epoch, report)
         elif self._replan_now(inputs):
             reason = _reason(self._inputs, inputs)
+            if self._cause:
+                reason = f"{self._cause}; re-planning ({reason})"
             self._inputs, self._pending = inputs, None
             self._adopt(await self._new_plan(epoch, report), reason)
         for member in members:
@@ -310,7 +316,8 @@ class Coordinator:
         plan_id = next(self._plan_ids)
         model = self.model
         if model is None:
-            return self._problem(epoch, plan_id, "no peer serves a model (start one with --model)")
+            return self._problem(epoch, plan_id, "no other peer serves the model" if self._cause
+                                 else "no peer serves a model (start one with --model)")
         if model.manifest is None:
             sharding = model.state == ModelState.SHARDING
             what = "is sharding" if sharding else f"failed: {model.detail}"
@@ -348,7 +355,21 @@ class Coordinator:
             problem=None,
         )
 
+    def _stopped_answering(self, report: ClusterReport) -> str | None:
+        """'peer laptop (units 8-15) stopped answering' for the current plan's stages, and
+        the model's peer, missing from the report; None when all answered."""
+        answering = {f.id for f in report.peers}
+        stages = self.plan.stages if self.plan else ()
+        gone = [f"peer {self._name_of(s.peer)} (units {s.first}–{s.last})"
+                for s in stages if s.peer not in answering]
+        model = self.model
+        if model and model.peer not in answering and model.peer not in {s.peer for s in stages}:
+            gone.append(f"peer {self._name_of(model.peer)} (the model's)")
+        return f"{' and '.join(gone)} stopped answering" if gone else None
+
     def _problem(self, epoch: int, plan_id: int, problem: str) -> PlanAssignment:
+        if self._cause:
+            problem = f"{self._cause}; {problem}"
         model = self.model
         return PlanAssignment(
             epoch=epoch,

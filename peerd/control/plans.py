@@ -58,7 +58,7 @@ class Plans:
         self.watch = PlanWatch(self.deployment, listener)
         self.coordinator = Coordinator(
             self._ask_manifest, self._send_plan, objective=objective,
-            policy=rebalance.Policy() if rebalancing else None,
+            policy=rebalance.Policy() if rebalancing else None, name_of=cluster.name_of,
         )
 
     async def close(self) -> None:

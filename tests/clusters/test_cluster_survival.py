@@ -13,34 +13,31 @@ daemons stay up, and once the peer is back the next chat is exact again.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import netns
 import pytest
-from streaming import ANSWER_S, DEPLOYED_S, Answer, serving_plan, shard_into_caches
+from streaming import (
+    ANSWER_S,
+    DEPLOYED_S,
+    Answer,
+    all_in_flight,
+    every_peer_with_the_model,
+    serving_plan,
+)
 
-from peerd.commands.local_cluster import budget_for
 from peerd.inference.dataplane import Limits
 
 pytestmark = [pytest.mark.cluster, netns.needs_namespaces]
+
 
 def _leader(peers: list[netns.Peer]) -> str:
     return netns.wait_for(lambda: (peers[0].status() or {}).get("leader"), 10, "a leader")
 
 
-def _start_cluster(model_dir: Path, root: Path, name: str, holders: int):
-    dirs = netns.make_state_dirs(root / name, 3)
-    manifest = shard_into_caches(model_dir, dirs)
-    # the largest slack that still leaves one peer fewer short: attention units are big
-    budget = budget_for(manifest, holders, spare=0.9)
-    args = {i: ["--memory-budget", budget, "--model", str(model_dir)] for i in range(3)}
-    return dirs, args
-
-
 def _answers_survive(peers, victim_index: int, prompts, expected) -> None:
     victim = peers[victim_index]
     askers = [p for p in peers if p is not victim]
-    answers = _all_in_flight(askers, prompts, expected)
+    answers = all_in_flight(askers, prompts, expected)
     victim.kill()
     for answer in answers:
         answer.join(ANSWER_S)
@@ -48,28 +45,9 @@ def _answers_survive(peers, victim_index: int, prompts, expected) -> None:
         assert answer.tokens == answer.done["token_ids"] == expected[tuple(answer.prompt)]
 
 
-def _all_in_flight(askers, prompts, expected, attempts: int = 5) -> list[Answer]:
-    """Answers to every prompt, all streaming at once. An answer can run to its end before
-    the last one starts (a fast machine, a chat forwarded to the head): such an answer must
-    still be exact, and the round is asked again, since it shows nothing about a kill."""
-    for _ in range(attempts):
-        answers = [Answer(askers[i % len(askers)], p) for i, p in enumerate(prompts)]
-        netns.wait_for(lambda a=answers: all(len(x.tokens) >= 3 or x.done for x in a),
-                       ANSWER_S, "every answer streaming")
-        ended = [a for a in answers if a.done]
-        if not ended:
-            return answers
-        for answer in answers:
-            answer.end()
-        for answer in ended:
-            assert answer.error is None, answer.error
-            assert answer.tokens == expected[tuple(answer.prompt)]
-    raise AssertionError(f"in {attempts} rounds, an answer always ended before the last began")
-
-
 def test_answers_survive_a_peer_and_then_the_leader_vanishing(long_answers):
     model_dir, root, expected, prompts = long_answers
-    dirs, args = _start_cluster(model_dir, root, "two-hold", holders=2)
+    dirs, args = every_peer_with_the_model(model_dir, root, "two-hold", holders=2)
     with netns.cluster(dirs, args) as (network, peers):
         netns.wait_for(lambda: serving_plan(peers), DEPLOYED_S, "a serving plan")
         leader = _leader(peers)
@@ -93,14 +71,14 @@ def test_answers_survive_a_peer_and_then_the_leader_vanishing(long_answers):
 
 def test_when_the_rest_cannot_hold_the_model_every_client_hears_why(long_answers):
     model_dir, root, expected, prompts = long_answers
-    dirs, args = _start_cluster(model_dir, root, "three-hold", holders=3)
+    dirs, args = every_peer_with_the_model(model_dir, root, "three-hold", holders=3)
     with netns.cluster(dirs, args) as (network, peers):
         netns.wait_for(lambda: serving_plan(peers), DEPLOYED_S, "a serving plan")
         plan = netns.deployed_plan(peers)
         assert len(plan["stages"]) == 3
         victim = next(i for i, p in enumerate(peers) if p.id == plan["stages"][-1]["peer"])
         askers = [p for p in peers if p is not peers[victim]]
-        answers = _all_in_flight(askers, prompts, expected)
+        answers = all_in_flight(askers, prompts, expected)
         peers[victim].kill()
         killed_at = time.monotonic()
         for answer in answers:

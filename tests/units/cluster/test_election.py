@@ -1,5 +1,6 @@
 """The election state machine: rules one by one, then whole clusters simulated with random
-message orders, losses, a killed leader and a peer that restarts knowing only some peers."""
+message orders, losses, a killed leader, a peer that restarts knowing only some peers,
+partitions and heals, and peers that freeze and wake."""
 
 import dataclasses
 import random
@@ -202,90 +203,150 @@ def test_losing_mains_power_is_a_capability_change():
 
 
 class Cluster:
-    """Election machines connected by a simulated network with random delivery order."""
+    """Election machines connected by a simulated network with random delivery order.
+
+    The network can be cut into sides (``partition``) and healed; a peer can be frozen (it
+    processes and sends nothing, and the others see it die) and thawed, after which it has
+    either noticed its own stall and keeps its view until heartbeats come (membership's
+    `Stalled`), or not, and for a moment sees nobody at all."""
 
     def __init__(self, capabilities: list[Candidate]):
         self.caps = {c.id: c for c in capabilities}
         self.alive = set(self.caps)
+        self.frozen: set[str] = set()
+        self.blind: set[str] = set()  # woke without noticing: sees nobody until a heartbeat
+        self.side = dict.fromkeys(self.caps, 0)
         self.knows = {peer: set(self.caps) for peer in self.caps}  # whom mDNS has shown it
         self.heard = {peer: set(self.caps) for peer in self.caps}  # whose heartbeats it had
         self.nodes = {c.id: Election(me=c, timing=TIMING) for c in capabilities}
-        self.in_flight: list[tuple[str, object]] = []
+        self.in_flight: list[tuple[str, str, object]] = []  # (sender, receiver, event)
         self.won: dict[int, set[str]] = {}  # epoch -> the live peers that won it
+        self.granted: dict[tuple[str, int], set[str]] = {}  # (voter, epoch) -> candidates
         self.now = 0.0
         for peer in self.caps:
             self.deliver(peer, self._view(peer))
 
+    def running(self) -> set[str]:
+        return self.alive - self.frozen
+
+    def can_talk(self, a: str, b: str) -> bool:
+        return {a, b} <= self.running() and self.side[a] == self.side[b]
+
     def _view(self, peer: str) -> PeersChanged:
-        seen = (self.alive & self.knows[peer]) - {peer}
+        seen = set() if peer in self.blind else {
+            p for p in self.knows[peer] if p != peer and self.can_talk(peer, p)
+        }
         voters = tuple(self.caps[p] for p in sorted(seen & self.heard[peer]))
         return PeersChanged(voters, frozenset(seen), seen <= self.heard[peer], self.now)
 
-    def deliver(self, peer: str, event) -> None:
-        if peer not in self.alive:
-            return
+    def refresh_views(self) -> None:
+        for peer in sorted(self.running()):
+            self.deliver(peer, self._view(peer))
+
+    def deliver(self, peer: str, event, sender: str | None = None) -> None:
+        if peer not in self.running() or (sender is not None and not self.can_talk(sender, peer)):
+            return  # lost: the receiver is down or frozen, or the network is cut between them
         event = dataclasses.replace(event, now=self.now)
         self.nodes[peer], actions = apply(self.nodes[peer], event)
         for action in actions:
             self._send(peer, action)
-        if isinstance(event, LeaderClaimed) and event.sender not in self.heard[peer]:
+        if isinstance(event, LeaderClaimed) and (
+            event.sender not in self.heard[peer] or peer in self.blind
+        ):
             self.heard[peer].add(event.sender)
+            self.blind.discard(peer)
             self.deliver(peer, self._view(peer))
 
     def _send(self, sender: str, action) -> None:
         match action:
             case RequestVotes(epoch=epoch, voters=voters):
                 for voter in voters:
-                    self.in_flight.append((voter, VoteRequested(self.caps[sender], epoch, 0)))
+                    self._post(sender, voter, VoteRequested(self.caps[sender], epoch, 0))
             case SendVote(to=to, epoch=epoch, granted=granted):
-                self.in_flight.append((to, VoteReceived(sender, epoch, granted, 0)))
+                if granted:
+                    self.granted.setdefault((sender, epoch), set()).add(to)
+                self._post(sender, to, VoteReceived(sender, epoch, granted, 0))
             case AnnounceLeader(epoch=epoch, to=to):
                 for peer in to:
-                    self.in_flight.append((peer, LeaderClaimed(sender, sender, epoch, 0)))
+                    self._post(sender, peer, LeaderClaimed(sender, sender, epoch, 0))
             case LeaderChanged(leader=leader, epoch=epoch) if leader == sender:
                 self.won.setdefault(epoch, set()).add(sender)
 
+    def _post(self, sender: str, receiver: str, event) -> None:
+        self.in_flight.append((sender, receiver, event))
+
     def heartbeats(self) -> None:
-        for sender in self.alive:
+        for sender in sorted(self.running()):
             state = self.nodes[sender]
             for peer in self.alive - {sender}:
-                self.in_flight.append((peer, LeaderClaimed(sender, state.leader, state.epoch, 0)))
+                self._post(sender, peer, LeaderClaimed(sender, state.leader, state.epoch, 0))
 
     def tick(self, seconds: float = 0.25) -> None:
         self.now += seconds
-        for peer in sorted(self.alive):
+        for peer in sorted(self.running()):
             self.deliver(peer, Tick(self.now))
 
-    def kill(self, peer: str) -> None:
-        """A dead peer's wins end with it: a fresh peer may reuse an epoch nobody alive saw."""
-        self.alive.discard(peer)
+    def _forget(self, peer: str) -> None:
+        """A peer's new instance: suspect to everyone until its first heartbeat, and its
+        wins and votes end with the old one (a fresh peer may reuse an epoch nobody saw)."""
         for winners in self.won.values():
             winners.discard(peer)
-        for survivor in sorted(self.alive):
-            self.deliver(survivor, self._view(survivor))
+        self.granted = {key: to for key, to in self.granted.items() if key[0] != peer}
+        for heard in self.heard.values():
+            heard.discard(peer)
+
+    def kill(self, peer: str) -> None:
+        self.alive.discard(peer)
+        self.frozen.discard(peer)
+        self._forget(peer)
+        self.refresh_views()
 
     def restart(self, peer: str, knows: set[str]) -> None:
         """`peer` starts afresh (epoch 0) and has discovered only `knows` so far."""
         self.alive.add(peer)
         self.knows[peer] = knows | {peer}
-        for heard in self.heard.values():
-            heard.discard(peer)  # a new instance: suspect until its first heartbeat
         self.heard[peer] = {peer}
+        self.blind.discard(peer)
         self.nodes[peer] = Election(me=self.caps[peer], timing=TIMING)
-        for member in sorted(self.alive):
-            self.deliver(member, self._view(member))
+        self.refresh_views()
+
+    def partition(self, sides: list[set[str]]) -> None:
+        """Cut the network: peers on different sides exchange nothing; messages in flight
+        between them are lost on arrival."""
+        for number, side in enumerate(sides):
+            for peer in side:
+                self.side[peer] = number
+        self.refresh_views()
+
+    def heal(self) -> None:
+        self.partition([set(self.caps)])
+
+    def freeze(self, peer: str) -> None:
+        self.frozen.add(peer)
+        self.refresh_views()
+
+    def thaw(self, peer: str, noticed: bool) -> None:
+        """It wakes with its clock jumped by the time frozen. Having noticed its stall it
+        keeps the view it had until heartbeats come; otherwise it first sees everyone dead."""
+        self.frozen.discard(peer)
+        if not noticed:
+            self.blind.add(peer)
+            self.deliver(peer, self._view(peer))
+        self.deliver(peer, Tick(self.now))
+        self.refresh_views()
 
     def discover_all(self) -> None:
         for peer in sorted(self.alive):
             self.knows[peer] = set(self.caps)
-            self.deliver(peer, self._view(peer))
+        self.refresh_views()
 
     def settle(self, rounds: int = 40) -> None:
         """Reliable, in-order delivery with heartbeats and ticks."""
         for _ in range(rounds):
             self.heartbeats()
             while self.in_flight:
-                self.deliver(*self.in_flight.pop(0))
+                sender, receiver, event = self.in_flight.pop(0)
+                self.deliver(receiver, event, sender)
             self.tick()
 
     def agreed(self) -> tuple[str | None, int]:
@@ -340,9 +401,9 @@ def test_one_leader_per_epoch_and_everyone_ends_up_agreeing_on_the_best(caps, se
         elif roll < 0.25:
             cluster.heartbeats()
         elif cluster.in_flight:
-            peer, event = cluster.in_flight.pop(rng.randrange(len(cluster.in_flight)))
+            sender, peer, event = cluster.in_flight.pop(rng.randrange(len(cluster.in_flight)))
             if rng.random() > 0.1:  # one message in ten is lost
-                cluster.deliver(peer, event)
+                cluster.deliver(peer, event, sender)
     cluster.discover_all()
     cluster.settle()
     assert all(len(leaders) <= 1 for leaders in cluster.won.values()), cluster.won
@@ -357,3 +418,105 @@ def test_one_leader_per_epoch_and_everyone_ends_up_agreeing_on_the_best(caps, se
     else:
         assert leader == top.id
         assert killed_epoch is None or epoch > killed_epoch
+
+
+# -- partitions, heals and peers that sleep ----------------------------------------------------
+
+# a is the best but not by the challenge margin: once another peer leads, a keeps out of it
+WITHIN_MARGIN = [cand("a", 2.0e9), cand("b", 1.5e9), cand("c", 1.4e9)]
+
+
+def test_a_cut_off_peer_that_wins_alone_does_not_keep_the_lead_after_the_heal():
+    cluster = Cluster(WITHIN_MARGIN)
+    cluster.settle()
+    assert cluster.agreed() == ("a", 1)
+    cluster.partition([{"a", "b"}, {"c"}])
+    cluster.settle(rounds=8)
+    cut_off = cluster.nodes["c"]
+    assert (cut_off.leader, cut_off.epoch, cut_off.alone) == ("c", 2, True)
+    assert (cluster.nodes["a"].leader, cluster.nodes["a"].epoch) == ("a", 1)
+    cluster.heal()
+    cluster.settle()
+    leader, epoch = cluster.agreed()
+    # Following c's higher epoch, as before, would have left the slowest peer leading.
+    assert leader == "a" and not cluster.nodes["a"].alone
+
+
+def test_the_survivor_of_two_leads_alone_and_the_best_leads_again_when_the_other_wakes():
+    cluster = Cluster([cand("a", 3e9), cand("b", 2.5e9)])
+    cluster.settle()
+    assert cluster.agreed() == ("a", 1)
+    cluster.freeze("a")
+    cluster.settle(rounds=8)
+    assert (cluster.nodes["b"].leader, cluster.nodes["b"].alone) == ("b", True)
+    cluster.thaw("a", noticed=True)
+    cluster.settle()
+    assert cluster.agreed()[0] == "a"
+
+
+def test_a_follower_that_noticed_its_own_stall_wakes_as_a_follower_of_the_same_epoch():
+    cluster = Cluster(WITHIN_MARGIN)
+    cluster.settle()
+    cluster.freeze("c")
+    cluster.settle(rounds=60)  # 15 s
+    cluster.thaw("c", noticed=True)
+    cluster.settle()
+    assert cluster.agreed() == ("a", 1)
+
+
+def test_a_follower_that_wakes_seeing_nobody_wins_alone_then_abdicates():
+    cluster = Cluster(WITHIN_MARGIN)
+    cluster.settle()
+    cluster.freeze("c")
+    cluster.settle(rounds=60)
+    cluster.thaw("c", noticed=False)
+    assert (cluster.nodes["c"].leader, cluster.nodes["c"].alone) == ("c", True)
+    cluster.settle()
+    leader, epoch = cluster.agreed()
+    assert leader == "a" and epoch > 1
+
+
+SETTLE_ROUNDS = 20  # 5 s of heartbeats: the bound on converging after the last heal (8 pass)
+
+
+@settings(max_examples=150, deadline=None)
+@given(caps=capabilities, seed=st.integers(0, 2**32 - 1), steps=st.integers(0, 200))
+def test_partitions_freezes_and_heals_never_give_one_ballot_two_leaders_and_end_in_one(
+    caps, seed, steps
+):
+    """A ballot is (epoch, candidate): only its candidate can win it, and no peer grants
+    two candidates in one epoch, so two winners of one epoch number had disjoint voters.
+    After the last heal and thaw, one leader and one epoch everywhere within the bound,
+    won with votes (not alone) where there are others, and no live peer challenges it."""
+    rng = random.Random(seed)
+    cluster = Cluster(caps)
+    peers = sorted(cluster.caps)
+    for _ in range(steps):
+        roll = rng.random()
+        if roll < 0.03:
+            cut = {p for p in peers if rng.random() < 0.5}
+            cluster.partition([cut, set(peers) - cut])
+        elif roll < 0.05:
+            cluster.heal()
+        elif roll < 0.07 and len(cluster.running()) > 1:
+            cluster.freeze(rng.choice(sorted(cluster.running())))
+        elif roll < 0.10 and cluster.frozen:
+            cluster.thaw(rng.choice(sorted(cluster.frozen)), noticed=rng.random() < 0.7)
+        elif roll < 0.25:
+            cluster.tick(rng.choice([0.1, 0.5, 1.2, 3.0]))
+        elif roll < 0.35:
+            cluster.heartbeats()
+        elif cluster.in_flight:
+            sender, peer, event = cluster.in_flight.pop(rng.randrange(len(cluster.in_flight)))
+            if rng.random() > 0.1:  # one message in ten is lost
+                cluster.deliver(peer, event, sender)
+        assert all(len(to) <= 1 for to in cluster.granted.values()), cluster.granted
+    for peer in sorted(cluster.frozen):
+        cluster.thaw(peer, noticed=rng.random() < 0.7)
+    cluster.heal()
+    cluster.settle(rounds=SETTLE_ROUNDS)
+    leader, _ = cluster.agreed()
+    assert leader is not None and leader in cluster.alive
+    assert len(cluster.alive) == 1 or not cluster.nodes[leader].alone
+    assert not any(challenges(cluster.caps[p], cluster.caps[leader], TIMING.challenge_margin)
+                   for p in cluster.alive)

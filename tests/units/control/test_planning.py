@@ -115,7 +115,8 @@ class Leader:
         self.now = 0.0
         self.unreachable = False
         self.coordinator = Coordinator(self.ask_manifest, lambda p, m: self.sent.append((p, m)),
-                                       objective, settle_s=settle_s, clock=lambda: self.now)
+                                       objective, settle_s=settle_s, clock=lambda: self.now,
+                                       name_of=str.upper)
 
     async def ask_manifest(self, peer: str, have: str | None) -> ManifestOffer:
         self.asked.append((peer, have))
@@ -208,8 +209,26 @@ async def test_a_dead_peer_a_new_epoch_or_no_room_each_make_a_new_plan(manifest)
     assert next_epoch.epoch == 2 and next_epoch.plan_id == without_c.plan_id + 1
 
     alone = await leader.step(report(figures("a", SMALL, model="toy"), epoch=2), members=("a",))
-    assert alone.stages == () and alone.problem.startswith("model needs")
+    assert alone.stages == () and alone.problem.startswith("peer B (units ")
+    assert "stopped answering; model needs" in alone.problem
     assert leader.sent == [("a", alone)]
+
+
+async def test_a_stage_peer_that_stops_answering_is_named_with_its_units(manifest):
+    leader = Leader(manifest)
+    first = await leader.step(report(figures("a", SMALL, model="toy"), figures("b", SMALL),
+                                     figures("c", SMALL)))
+    gone = next(s for s in first.stages if s.peer != "a")
+    rest = [figures(p, SMALL, model="toy" if p == "a" else None)
+            for p in "abc" if p != gone.peer]
+    replanned = await leader.step(report(*rest))
+    cause = f"peer {gone.peer.upper()} (units {gone.first}–{gone.last}) stopped answering"
+    assert replanned.stages and replanned.reason.startswith(f"{cause}; re-planning (left: ")
+    model_gone = next(s for s in replanned.stages if s.peer == "a")
+    nothing = await leader.step(report(*(f for f in rest if f.id != "a")))
+    assert nothing.stages == () and nothing.problem == (
+        f"peer A (units {model_gone.first}–{model_gone.last}) stopped answering; "
+        "no other peer serves the model")
 
 
 async def test_without_a_ready_model_members_learn_why_there_is_no_plan(manifest):

@@ -1,7 +1,11 @@
 """peerd init / invite / join: identity, secret, file modes, tokens, state-dir resolution."""
 
+import contextlib
 import json
+import os
 import stat
+import subprocess
+import time
 
 import pytest
 
@@ -135,3 +139,23 @@ class TestStateDirResolution:
         assert statedir.resolve(None) == tmp_path / "home" / ".local" / "state" / "peerd"
         monkeypatch.setenv("XDG_STATE_HOME", "/xdg")
         assert str(statedir.resolve(None)) == "/xdg/peerd"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tiny tmpfs needs root")
+def test_a_full_state_directory_fails_at_once_naming_it_and_leaves_no_half_file(tmp_path):
+    full = tmp_path / "full"
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)], check=True)
+    try:
+        target = full / "identity.json"
+        statedir.write_secret_json(target, {"kept": True})
+        with contextlib.suppress(OSError), (full / "filler").open("wb") as filler:
+            filler.write(bytes(1 << 20))
+        started = time.monotonic()
+        with pytest.raises(PeerdError, match=f"no space left in {full} "):
+            statedir.write_secret_json(target, {"big": "x" * 100_000})
+        assert time.monotonic() - started < 1.0
+        assert statedir.read_json(target) == {"kept": True}
+        assert sorted(p.name for p in full.iterdir()) == ["filler", "identity.json"]
+    finally:
+        subprocess.run(["umount", str(full)], check=True)
