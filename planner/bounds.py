@@ -68,8 +68,9 @@ def _nearest_first(cluster: Cluster, source: Device, others: list[Device]) -> li
     """From the source, each next peer is the one with the quickest link from the last."""
     order, last, left = [], source, list(others)
     while left:
-        link = {d.id: cluster.link(last.id, d.id) for d in left}
-        last = min(left, key=lambda d: link[d.id].latency_s if link[d.id] else math.inf)
+        latency = {d.id: link.latency_s if (link := cluster.link(last.id, d.id)) else math.inf
+                   for d in left}
+        last = min(left, key=lambda d: latency[d.id])
         order.append(last)
         left.remove(last)
     return order

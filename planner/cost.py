@@ -17,9 +17,10 @@ def exclusion(cluster: Cluster, device: Device) -> str | None:
     """Why `device` may not be used, or None when it may."""
     if device.load >= 1:
         return f"peer {device.id!r} is fully loaded (load {device.load:g})"
-    if device.on_battery and device.battery.percent < cluster.battery_min_percent:
+    battery = device.battery
+    if device.on_battery and battery and battery.percent < cluster.battery_min_percent:
         return (
-            f"peer {device.id!r} is on battery at {device.battery.percent:g}% "
+            f"peer {device.id!r} is on battery at {battery.percent:g}% "
             f"(below {cluster.battery_min_percent:g}%)"
         )
     return None

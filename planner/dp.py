@@ -15,6 +15,7 @@ which is polynomial; the MILP uses it for its upper bound.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 import numpy as np
 
@@ -26,7 +27,8 @@ from planner.model import Cluster, Device, Stage, Workload
 MAX_PEERS = 10
 
 # state -> (best cost by units placed, previous device, previous cut)
-Table = dict[Hashable, tuple[np.ndarray, np.ndarray, np.ndarray]]
+Key = TypeVar("Key", bound=Hashable)
+Table = dict[Key, tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
 class _Tables:
@@ -77,7 +79,7 @@ class _Tables:
     def start(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self.compute[0][0].copy(), np.full(self.size, -1), np.zeros(self.size, dtype=int)
 
-    def merge(self, table: Table, key: Hashable, value: np.ndarray, cut: np.ndarray,
+    def merge(self, table: Table[Key], key: Key, value: np.ndarray, cut: np.ndarray,
               d: int) -> None:
         old, prev_dev, prev_cut = table.get(
             key, (np.full(self.size, np.inf), np.full(self.size, -1), np.zeros(self.size, int)))
@@ -86,12 +88,12 @@ class _Tables:
                       np.where(better, cut, prev_cut))
 
 
-def _stages(t: _Tables, table: Table, device_of: Callable[[Hashable], int],
-            previous: Callable[[Hashable, int], Hashable]) -> list[Stage] | None:
+def _stages(t: _Tables, table: Table[Key], device_of: Callable[[Key], int],
+            previous: Callable[[Key, int], Key]) -> list[Stage] | None:
     """Walk back from the best final state; None when no state reaches the last unit."""
     finals = {key: t.combine(cost[t.units], t.back(device_of(key)))
               for key, (cost, _, _) in table.items()}
-    key = min(finals, key=finals.get, default=None)
+    key = min(finals, key=lambda k: finals[k], default=None)
     if key is None or not np.isfinite(finals[key]):
         return None
     stages, stop = [], t.units
@@ -120,7 +122,7 @@ def solve_dp(cluster: Cluster, workload: Workload, objective: str) -> list[Stage
             f"(this cluster has {len(devices)}); use the milp solver"
         )
     t = _Tables(cluster, workload, objective, devices)
-    table: Table = {(1, 0): t.start()}
+    table: Table[tuple[int, int]] = {(1, 0): t.start()}
     for mask in range(1, 1 << len(devices), 2):  # sets holding the source; supersets come later
         for d in range(len(devices)):
             if (mask, d) not in table:
@@ -147,10 +149,12 @@ def ordered_stages(cluster: Cluster, workload: Workload, objective: str,
     """The best sequential-model stages using `devices` in this order, the first (the source)
     always and any other possibly skipped; None when nothing fits."""
     t = _Tables(cluster, workload, objective, devices)
-    table: Table = {0: t.start()}
+    table: Table[int] = {0: t.start()}
     for e in range(1, len(devices)):
         for d in range(e):
-            value, cut = t.relax(table[d][0], d, e) if d in table else (None, None)
-            if value is not None and np.isfinite(value).any():
+            if d not in table:
+                continue
+            value, cut = t.relax(table[d][0], d, e)
+            if np.isfinite(value).any():
                 t.merge(table, e, value, cut, d)
     return _stages(t, table, lambda key: key, lambda key, d: d)

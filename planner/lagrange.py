@@ -78,6 +78,7 @@ def relax(model: PathModel, best: float, score: Score, deadline: Deadline) -> Re
             break  # the relaxed optimum uses every priced peer once: no better bound
         gap = best - current.bound if np.isfinite(best) else 0.1 * abs(current.bound)
         penalty = np.maximum(0.0, penalty + step * gap / (slope @ slope) * slope)
+    assert found is not None  # set in the first iteration
     return found
 
 

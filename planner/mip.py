@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
@@ -51,7 +52,7 @@ class Mip:
         for i in np.atleast_1d(index).ravel():
             self._fixed[int(i)] = value
 
-    def rows(self, cols: np.ndarray, coefs: np.ndarray, lo: float | np.ndarray = -INF,
+    def rows(self, cols: np.ndarray, coefs: ArrayLike, lo: float | np.ndarray = -INF,
              hi: float | np.ndarray = INF) -> None:
         """Add rows lo <= sum_j coefs[r, j] * x[cols[r, j]] <= hi, one per leading index r."""
         cols = np.atleast_2d(np.asarray(cols, dtype=np.int64))
@@ -112,13 +113,12 @@ class Mip:
         options = {"mip_rel_gap": 0.0, "presolve": False}
         if time_limit is not None:
             options["time_limit"] = time_limit
-        result = milp(
-            c,
-            integrality=np.concatenate(self._integer),
-            bounds=Bounds(lb, ub),
-            constraints=LinearConstraint(a, np.concatenate(self._lo), np.concatenate(self._hi)),
-            options=options,
-        )
+        lo, hi = np.concatenate(self._lo), np.concatenate(self._hi)
+        # scipy has no type hints: pyright takes these bounds for floats, from their defaults
+        bounds = Bounds(lb, ub)  # pyright: ignore[reportArgumentType]
+        rows = LinearConstraint(a, lo, hi)  # pyright: ignore[reportArgumentType]
+        result = milp(c, integrality=np.concatenate(self._integer), bounds=bounds,
+                      constraints=rows, options=options)
         if result.status == 2:
             return Outcome(None, complete=True)
         if result.status == 1 and time_limit is not None:

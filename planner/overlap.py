@@ -43,6 +43,7 @@ def movable_units(cluster: Cluster, workload: Workload,
     gain = {int(v): workload.units[u].weight_bytes + 1
             for units, variables in tails + heads for u, v in zip(units, variables, strict=True)}
     x = m.solve(gain, maximize=True).x
+    assert x is not None  # keeping no copy is always feasible
     kept = [_join(tails[s], heads[s]) for s in range(count)]
     return tuple(tuple(int(u) for u, v in zip(*pair, strict=True) if x[v] > 0.5)
                  for pair in kept)

@@ -47,6 +47,7 @@ def least_compute_bottleneck(cluster: Cluster, workload: Workload) -> Reach | No
         feasible = dp.reach(cost, candidates[middle]) is not None
         lo, hi = (lo, middle) if feasible else (middle + 1, hi)
     blocks = dp.reach(cost, candidates[hi])
+    assert blocks is not None  # candidates[hi] is feasible
     return Reach(float(candidates[hi]), [Stage(devices[d].id, a, b) for d, a, b in blocks])
 
 

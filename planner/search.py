@@ -158,9 +158,11 @@ class _Search:
 
 def _concat(parts: list[_Layer]) -> _Layer:
     if not parts:
-        return _Layer(*(np.zeros(0, np.int64),) * 3, *(np.zeros(0),) * 2, np.zeros(0, np.int64),
-                      np.zeros(0), np.zeros(0))
-    return _Layer(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(_Layer)))
+        ints, floats = np.zeros(0, np.int64), np.zeros(0)
+        return _Layer(mask=ints, last=ints, stop=ints, finish=floats, source_done=floats,
+                      parent=ints, bound=floats, unused=floats)
+    return _Layer(**{f.name: np.concatenate([getattr(p, f.name) for p in parts])
+                     for f in fields(_Layer)})
 
 
 def _merge(layer: _Layer, devices: int, units: int) -> _Layer:

@@ -120,7 +120,7 @@ def write_builtin_model(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
-def _llama_config(vocab_size: int, bos_token_id: int, eos_token_id: int) -> dict:
+def _llama_config(vocab_size: int, bos_token_id: int | None, eos_token_id: int | None) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

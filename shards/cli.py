@@ -117,7 +117,7 @@ def _print_table(result: ShardResult) -> None:
         )
 
 
-def _size(count: int) -> str:
+def _size(count: float) -> str:
     for unit in ("B", "KiB", "MiB"):
         if count < 1024:
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"

@@ -22,6 +22,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from types import TracebackType
 
 import numpy as np
 import onnxruntime as ort
@@ -303,10 +304,11 @@ class _quiet:
         for name in self._LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         for name, level in self._levels.items():
             logging.getLogger(name).setLevel(level)
-        self._warnings.__exit__(*exc)
+        self._warnings.__exit__(kind, exc, tb)
 
 
 def _check(path: Path, unit: Unit, args: tuple, expected: tuple, exact: bool) -> None:
@@ -338,6 +340,8 @@ def _disagreement(session: ort.InferenceSession, inputs, outputs, args: tuple,
     feeds = {name: a.numpy() for name, a in zip(inputs, args, strict=True)}
     got = session.run(list(outputs), feeds)
     for name, value, want in zip(outputs, got, expected, strict=True):
+        if not isinstance(value, np.ndarray):
+            return f"ONNX output {name} is a {type(value).__name__}, not a dense tensor"
         if value.shape != tuple(want.shape):
             return f"ONNX output {name} has shape {list(value.shape)}, torch's {list(want.shape)}"
         if not exact:

@@ -42,7 +42,9 @@ from typing import BinaryIO
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
-from onnxruntime.capi._pybind_state import quantize_matmul_4bits
+
+# the native module's names are not visible to a type checker
+from onnxruntime.capi._pybind_state import quantize_matmul_4bits  # pyright: ignore[reportAttributeAccessIssue]
 from onnxruntime.quantization.quant_utils import compute_data_quant_params, quantize_nparray
 
 from shards.manifest import Quant
@@ -117,8 +119,8 @@ def _rewritten(graph: onnx.GraphProto, quant: Quant, directory: Path, sink: _Sin
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
         weight = _float_weight(node, initializers)
-        scheme = weight and _scheme(quant, node, initializers[weight])
-        if not scheme:
+        scheme = _scheme(quant, node, initializers[weight]) if weight else None
+        if not weight or not scheme:
             nodes.append(node)
             continue
         quantize, rewrite = scheme
@@ -174,7 +176,8 @@ def _rows(array: np.ndarray) -> Iterator[np.ndarray]:
 
 
 # -- int8 -------------------------------------------------------------------------------------
-def _int8(name: str, array: np.ndarray, sink: _Sink, qtype: int = TensorProto.INT8) -> _Quantized:
+def _int8(name: str, array: np.ndarray, sink: _Sink,
+          qtype: TensorProto.DataType = TensorProto.INT8) -> _Quantized:
     """One scale (and zero point) for the whole matrix, as quantize_dynamic computes them."""
     low = min(float(part.min()) for part in _rows(array))
     high = max(float(part.max()) for part in _rows(array))
@@ -184,8 +187,8 @@ def _int8(name: str, array: np.ndarray, sink: _Sink, qtype: int = TensorProto.IN
     numpy_type = helper.tensor_dtype_to_np_dtype(qtype)
     quantized = _Quantized((f"{name}_quantized", f"{name}_scale", f"{name}_zero_point"),
                            array.shape)
-    parts = (quantize_nparray(qtype, np.asarray(p), scale, zero_point).astype(numpy_type)
-             for p in _rows(array))
+    parts = (np.asarray(quantize_nparray(qtype, np.asarray(p), scale, zero_point))
+             .astype(numpy_type) for p in _rows(array))
     sink.tensor(quantized.inputs[0], qtype, array.shape, parts)
     sink.small(np.asarray(scale, np.float32), quantized.inputs[1])
     sink.small(np.asarray(zero_point, numpy_type), quantized.inputs[2])

@@ -193,19 +193,33 @@ class TextStream:
     the character is complete, so every piece is valid text, and `text` is what was handed
     out: an answer that ends inside a character ends before it, wherever it is read (the
     daemon's stream, `peerd chat --json`, `peerd generate`).
+
+    Each token costs a decode of a few recent tokens, not of the whole answer. The window
+    holds the tokens of the last piece (up to `_read`) and those that came since; the last
+    piece's tokens are decoded again with the new ones because a token's text depends on
+    its neighbours (SentencePiece drops the space of the first `▁` of a text; byte fallback
+    decodes a run of byte tokens together), and the new piece is the window's text past
+    theirs. The window moves on when a piece is handed out, so it grows only over tokens
+    that add no text yet (inside a character, or skipped special tokens).
     """
 
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self._tokenizer = tokenizer
-        self._tokens: list[int] = []
+        self._window: list[int] = []
+        self._read = 0  # self._window[:self._read] is text already handed out ...
+        self._read_text = ""  # ... decoded on its own
         self.text = ""
 
     def add(self, token: int) -> str:
-        self._tokens.append(token)
         if self._tokenizer is None:
             return ""
-        text = self._tokenizer.decode(self._tokens)
-        if text.endswith("\ufffd"):
+        self._window.append(token)
+        window_text = self._tokenizer.decode(self._window)
+        piece = window_text[len(self._read_text) :]
+        if not piece or piece.endswith("\ufffd"):
             return ""
-        piece, self.text = text[len(self.text) :], text
+        self._window = self._window[self._read :]
+        self._read = len(self._window)
+        self._read_text = self._tokenizer.decode(self._window)
+        self.text += piece
         return piece

@@ -65,7 +65,8 @@ FAMILIES = (
 )
 
 PAD_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
-TOKENIZERS = ("gpt-2", "llama-bpe", "qwen2", "spm")
+TOKENIZERS = ("gpt-2", "llama-bpe", "qwen2", "spm")  # llama.cpp's name for each kind
+TOKENIZER_FAMILIES = {"gpt-2": "gpt2", "llama-bpe": "llama", "qwen2": "qwen2", "spm": "llama"}
 _SPM_SPECIAL_TOKENS = ("<unk>", *SPECIAL_TOKENS[1:])  # Llama 2 has no pad token: <unk> at 0
 _SPLITS = {"llama-bpe": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT}
 

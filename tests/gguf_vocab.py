@@ -22,7 +22,9 @@ Two inputs of the converter are missing from test checkpoints, so they are deriv
 - SentencePiece scores come from `tokenizer.model`; here they are what a SentencePiece BPE
   model stores: minus the rank of the merge that makes a piece, single characters below every
   merge (in id order), 0 for `<unk>`, bytes and added tokens.
-Stdlib and `gguf` only, so that it can be copied between worktrees on its own.
+
+`write_vocab_gguf(path, arch, vocab_of=model_dir)` writes a GGUF file of that metadata and no
+tensors. Stdlib and `gguf` only, so that it can be copied between worktrees on its own.
 """
 
 from __future__ import annotations
@@ -64,6 +66,22 @@ def add_vocab(writer: gguf.GGUFWriter, model_dir: Path) -> None:
         _add_byte_level_vocab(writer, tokenizer, config)
         special_vocab = gguf.SpecialVocab(model_dir, load_merges=True)
     special_vocab.add_to_gguf(writer, quiet=True)
+
+
+def write_vocab_gguf(path: Path, arch: str = "llama", vocab_of: Path | None = None,
+                     **fields: Any) -> Path:
+    """A GGUF with no tensors: `vocab_of`'s tokenizer as llama.cpp writes it, and/or
+    tokenizer metadata given as keyword arguments (key without `tokenizer.ggml.`)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    if vocab_of is not None:
+        add_vocab(writer, vocab_of)
+    for key, value in fields.items():
+        getattr(writer, f"add_{key}")(value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 def pre_name(tokenizer: dict[str, Any]) -> str:

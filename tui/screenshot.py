@@ -52,7 +52,9 @@ def _stages(app: DashboardApp) -> int | None:
     return len(app.plan_event["stages"]) if app.plan_event else None
 
 
-def _deployed(status: dict[str, Any]) -> bool:
+def _deployed(status: dict[str, Any] | None) -> bool:
+    if status is None:
+        return False
     loaded = {p["id"]: p["units"] for p in status["peers"]}
     plan = status["plan"] or {}
     return bool(plan.get("stages")) and all(loaded.get(s["peer"]) == s["units"]
@@ -67,13 +69,20 @@ async def _until(pilot, condition: Callable[[], Any], what: str) -> None:
         await pilot.pause(0.1)
 
 
+def _answering(cluster: LocalCluster, i: int) -> dict[str, Any]:
+    status = cluster.status(i)
+    if status is None:
+        raise SystemExit(f"peer {i} of the local cluster does not answer")
+    return status
+
+
 def main(argv: list[str]) -> int:
     out = Path(argv[0] if argv else "docs/dashboard.svg").resolve()
     root = Path(tempfile.mkdtemp(prefix="peerd-shot-"))
     model_dir = write_builtin_model(root / "builtin-model")
     with LocalCluster(root, model_dir, peers=3) as cluster:
-        selves = [cluster.status(i)["self"] for i in range(cluster.count)]
-        leader = selves.index(cluster.status(0)["leader"])
+        statuses = [_answering(cluster, i) for i in range(cluster.count)]
+        leader = [s["self"] for s in statuses].index(statuses[0]["leader"])
         follower = next(i for i in range(1, cluster.count) if i != leader)  # peer0 has the model
         app = DashboardApp(cluster.dirs[leader], chat_max_tokens=48)
         asyncio.run(shoot(app, cluster, follower, out))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ class DaemonSource:
         self.state_dir = state_dir
         self.path = statedir.socket_path(state_dir)
 
-    async def answers(self, request: Document) -> AsyncIterator[Document]:
+    async def answers(self, request: Document) -> AsyncGenerator[Document, None]:
         """Send `request` on a new connection and yield its answer lines until the daemon
         closes it; leaving the loop early closes the connection (which cancels a chat)."""
         reader, writer = await self._connect()
@@ -92,9 +92,9 @@ class Feed:
     def __init__(
         self,
         source: DaemonSource,
-        on_status: Callable[[Document], None],
-        on_event: Callable[[Document], None],
-        on_trouble: Callable[[str], None],
+        on_status: Callable[[Document], object],
+        on_event: Callable[[Document], object],
+        on_trouble: Callable[[str], object],
     ):
         self.source = source
         self.on_status = on_status

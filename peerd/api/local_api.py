@@ -89,6 +89,7 @@ class LocalApi:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
+        assert task is not None  # start_server runs each connection in a task of its own
         self._connections.add(task)
 
         async def send(answer: dict[str, Any]) -> None:

@@ -158,7 +158,7 @@ class Measuring:
         if peer_id == self.cluster.me:
             return await self._own_figures()
         answer = await self.transport.request(
-            peer_id, protocol.MeasureRequest(0, epoch), MEASURE_TIMEOUT_S, protocol.Measurement
+            peer_id, protocol.MeasureRequest(0, epoch), MEASURE_TIMEOUT_S
         )
         return answer.figures
 
@@ -169,8 +169,7 @@ class Measuring:
         if source == self.cluster.me:
             return await self._probe(targets, size, epoch)
         answer = await self.transport.request(
-            source, protocol.ProbeRequest(0, epoch, targets, size), PROBE_TIMEOUT_S,
-            protocol.ProbeReport,
+            source, protocol.ProbeRequest(0, epoch, targets, size), PROBE_TIMEOUT_S
         )
         return answer.links
 

@@ -30,8 +30,8 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 def parse_size(text: str) -> int:
     """Bytes in a size such as ``300MB`` (powers of 1000), ``2GiB`` (1024) or ``4096``."""
     match = _SIZE.fullmatch(text)
-    unit = match and _UNITS.get(match.group(2).lower())
-    if not unit:
+    unit = _UNITS.get(match.group(2).lower()) if match else None
+    if match is None or unit is None:
         raise PeerdError(f"not a size: {text!r} (examples: 300MB, 2GiB, 1048576)")
     size = int(float(match.group(1)) * unit)
     if size <= 0:

@@ -78,7 +78,9 @@ def _text(value: str | bytes | None, key: str) -> str:
     return value
 
 
-def verify(pairs: Mapping[str | bytes, str | bytes | None], secret: ClusterSecret) -> PeerRecord:
+def verify(
+    pairs: Mapping[str, str | None] | Mapping[bytes, bytes | None], secret: ClusterSecret
+) -> PeerRecord:
     """The record these pairs describe, if their mac proves cluster membership."""
     text = {_text(k, "key"): _text(v, str(k)) for k, v in pairs.items()}
     claimed = text.pop("mac", None)

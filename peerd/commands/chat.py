@@ -85,6 +85,7 @@ def stream_answer(
 ) -> dict[str, Any]:
     """Send one chat request; call `on_piece(text)` per token; return the final event.
     An exception (Ctrl-C) closes the connection at once, which ends the answer."""
+    event: dict[str, Any] = {}  # chat_events yields at least one event, or raises
     with contextlib.closing(chat_events(state_dir, request, ANSWER_TIMEOUT_S)) as events:
         for event in events:
             if event.get("ok") is False:

@@ -6,7 +6,7 @@ import argparse
 import json
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,7 @@ def call(state_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
 
 
 def chat_events(state_dir: Path, request: dict[str, Any],
-                timeout: float | None = None) -> Iterator[dict[str, Any]]:
+                timeout: float | None = None) -> Generator[dict[str, Any], None, None]:
     """The events of one chat: each token event, then the done event or the error answer,
     which comes last; PeerdError when the daemon closes the connection before either. Close
     the iterator to cancel the answer (on every peer)."""
@@ -85,7 +85,7 @@ def chat_events(state_dir: Path, request: dict[str, Any],
     raise PeerdError("the daemon closed the connection before the answer was complete")
 
 
-def events(state_dir: Path) -> Iterator[dict[str, Any]]:
+def events(state_dir: Path) -> Generator[dict[str, Any], None, None]:
     """Daemon events (membership, election, measurements) as they happen."""
     with Connection(state_dir, timeout=None) as connection:
         connection.send({"op": "subscribe"})

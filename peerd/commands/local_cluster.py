@@ -179,7 +179,7 @@ def _status(state_dir: Path) -> dict | None:
 
 def _hello_port(state_dir: Path) -> int | None:
     document = _status(state_dir)
-    return document and document["ports"]["hello"]
+    return None if document is None else document["ports"]["hello"]
 
 
 def _wait_for_deployment(dirs: list[Path], progress: Callable[[str], None]) -> None:
@@ -199,10 +199,11 @@ def _wait_for_deployment(dirs: list[Path], progress: Callable[[str], None]) -> N
                      if s.get("dataplane", {}).get("head")), None)
         if plan != serving[0]:
             serving = (plan, time.monotonic())
-        settled = document is not None and _alive(document) == len(dirs) and not any(
+        if document is None or _alive(document) != len(dirs) or any(
             s.get("replan_pending") for s in statuses
-        )
-        return settled and plan is not None and plan == _plan_key(document) and (
+        ):
+            return False
+        return plan is not None and plan == _plan_key(document) and (
             time.monotonic() - serving[1] >= SETTLE_S
         )
 

@@ -50,7 +50,7 @@ def _units(units: range | tuple[int, ...]) -> str:
     if not units:
         return "-"
     if list(units) == list(range(units[0], units[-1] + 1)):
-        return f"{units[0]}-{units[-1]}" if len(units) > 1 else str(units[0])
+        return str(units[0]) if len(units) == 1 else f"{units[0]}-{units[-1]}"
     return ",".join(map(str, units))
 
 

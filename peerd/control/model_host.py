@@ -59,23 +59,25 @@ class ModelHost:
 
     async def _shard(self) -> Path:
         log.info("sharding model %s (quant %s) in a child process", self.model_dir, self.quant)
-        self._process = await asyncio.create_subprocess_exec(
+        self._process = process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "peerd", "shard", str(self.model_dir), "--json",
             "--quant", self.quant.value,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env={**os.environ, "PEERD_STATE_DIR": str(self._state_dir)},
         )
-        stdout, _ = await asyncio.gather(self._process.stdout.read(), self._follow_progress())
-        if await self._process.wait() != 0:
+        assert process.stdout is not None and process.stderr is not None  # both are pipes
+        stdout, _ = await asyncio.gather(process.stdout.read(),
+                                         self._follow_progress(process.stderr))
+        if await process.wait() != 0:
             raise ShardingFailed(f"sharding failed: {self.detail}")
         try:
             return Path(json.loads(stdout)["directory"])
         except (ValueError, KeyError, TypeError):
             raise ShardingFailed("sharding printed no result") from None
 
-    async def _follow_progress(self) -> None:
-        while line := await self._process.stderr.readline():
+    async def _follow_progress(self, stderr: asyncio.StreamReader) -> None:
+        while line := await stderr.readline():
             text = line.decode(errors="replace").strip()
             if text:
                 self.detail = text.removeprefix("shard: ").removeprefix("peerd: ")

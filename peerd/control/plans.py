@@ -85,8 +85,7 @@ class Plans:
         if peer_id == self.cluster.me:
             return self._manifest_offer(0, have)
         request = protocol.ManifestRequest(0, self.cluster.epoch, have)
-        return await self.transport.request(peer_id, request, MEASURE_TIMEOUT_S,
-                                            protocol.ManifestOffer)
+        return await self.transport.request(peer_id, request, MEASURE_TIMEOUT_S)
 
     def _send_plan(self, peer_id: str, plan: protocol.PlanAssignment) -> None:
         if peer_id == self.cluster.me:

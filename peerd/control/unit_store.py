@@ -106,13 +106,19 @@ def file_sha256(path: Path) -> str:
 
 
 def _checked(name: str) -> str:
-    if not _CONTENT_NAME.fullmatch(name):
-        raise StoreError(f"not a unit file's content name: {name[:80]!r}")
+    _content_name(name)
     return name
 
 
 def _sha256_of(name: str) -> str:
-    return _CONTENT_NAME.fullmatch(name).group(1)
+    return _content_name(name).group(1)
+
+
+def _content_name(name: str) -> re.Match[str]:
+    match = _CONTENT_NAME.fullmatch(name)
+    if match is None:
+        raise StoreError(f"not a unit file's content name: {name[:80]!r}")
+    return match
 
 
 def _short(name: str) -> str:

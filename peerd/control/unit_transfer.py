@@ -109,4 +109,4 @@ def _chunk_data(answer: Any, sha256: str, offset: int, size: int) -> memoryview:
             f"unit {sha256[:12]}: got bytes {answer.offset}.. of {answer.sha256[:12]} "
             f"({answer.size} bytes), asked for {offset}.. of {size}"
         )
-    return memoryview(answer.tensors["data"])
+    return answer.tensors["data"].data

@@ -34,11 +34,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 from peerd.inference.pipeline import Generation, StageWorker, StepDone, TokenSampler
 from peerd.inference.routing import routes
 from peerd.wire.protocol import (
+    Message,
     SequenceDrop,
     SequenceFailed,
     SequenceMove,
@@ -307,15 +307,15 @@ class DataPlane:
             self.transport.send(peer, SequenceDrop(seq_id))
 
     # -- every stage's side ------------------------------------------------------------------
-    def handle(self, sender: str, message: Any, reply: Callable[[Any], None]) -> None:
+    def handle(self, sender: str, message: Message, reply: Callable[[Message], None]) -> None:
         """A data-plane message from `sender` (a peer id the transport authenticated)."""
         if sender not in self.peers and not isinstance(message, SequenceState):
             # K/V may come from a peer that leaves the plan along with its units
             log.warning("dropped %s from %s: not in plan %s", message.KIND, sender, self.plan)
             return
-        if getattr(message, "plan", self.plan) != self.plan:
-            log.warning("dropped %s of plan %s: this is plan %s", message.KIND, message.plan,
-                        self.plan)
+        plan = getattr(message, "plan", self.plan)
+        if plan != self.plan:
+            log.warning("dropped %s of plan %s: this is plan %s", message.KIND, plan, self.plan)
         elif isinstance(message, SequenceOpen):
             self._on_open(message, reply)
         elif isinstance(message, SequenceStatsRequest):
@@ -341,7 +341,7 @@ class DataPlane:
         else:
             log.warning("dropped %s from %s: not for stage %d", message.KIND, sender, self.stage)
 
-    async def _on_move(self, message: SequenceMove, reply: Callable[[Any], None]) -> None:
+    async def _on_move(self, message: SequenceMove, reply: Callable[[Message], None]) -> None:
         reply(SequenceMoved(message.req, await self.send_state(message)))
 
     async def send_state(self, move: SequenceMove) -> str | None:
@@ -390,7 +390,7 @@ class DataPlane:
         self._live.add(state.seq_id)
         return None
 
-    def _on_open(self, message: SequenceOpen, reply: Callable[[Any], None]) -> None:
+    def _on_open(self, message: SequenceOpen, reply: Callable[[Message], None]) -> None:
         try:
             params = SamplingParams(message.temperature, message.top_k, message.top_p, message.seed)
             if message.skip < 0:

@@ -38,6 +38,8 @@ class LocalPipeline:
             else:
                 stage, source, frames = wire.popleft()
                 message = protocol.decode(frames)
+                if not isinstance(message, protocol.StageData):  # stages send nothing else
+                    raise TypeError(f"stage {source} sent {message.KIND}")
                 inputs = self.workers[stage].accept(source, message)
                 if inputs is None:
                     continue

@@ -24,7 +24,7 @@ import math
 import types
 import typing
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import msgpack
 import numpy as np
@@ -52,15 +52,39 @@ class ProtocolError(ValueError):
     """A message that is malformed, of an unknown kind, or of another protocol version."""
 
 
-_REGISTRY: dict[str, type] = {}
+class Message(Protocol):
+    """What every registered message is: a frozen dataclass of a kind, on a channel."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
 
-def message(kind: str, channel: str = CONTROL):
+Answer = TypeVar("Answer")
+
+
+class Asks(Generic[Answer]):
+    """The base of a request: a message the asker numbers (``req``), answered by a message
+    of type ``Answer`` carrying the same number. The answer is written as a string (it is
+    defined further down); `answer_kinds` reads it."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+    req: int
+
+
+# A class is registered before the type checker sees it as a dataclass, hence type[Any].
+_REGISTRY: dict[str, type[Any]] = {}
+_Class = TypeVar("_Class", bound=type)
+
+
+def message(kind: str, channel: str = CONTROL) -> typing.Callable[[_Class], _Class]:
     """Register a frozen dataclass as the message of this kind, sent on this channel."""
     if channel not in CHANNELS:
         raise ValueError(f"unknown channel {channel!r}")
 
-    def register(cls):
+    def register(cls: _Class) -> _Class:
         if kind in _REGISTRY:
             raise TypeError(f"message kind {kind!r} registered twice")
         cls.KIND = kind
@@ -76,8 +100,22 @@ def _require(condition: bool, reason: str) -> None:
         raise ProtocolError(reason)
 
 
-def kinds() -> dict[str, type]:
+def _sole_tensor(tensors: Tensors, name: str, where: str) -> np.ndarray:
+    _require(len(tensors) == 1 and name in tensors, f"{where}: expected one tensor, {name!r}")
+    return tensors[name]
+
+
+def kinds() -> dict[str, type[Message]]:
     return dict(_REGISTRY)
+
+
+@functools.cache
+def answer_kinds(request: type[Asks[Any]]) -> tuple[type[Message], ...]:
+    """The message classes that answer a request of class `request` (its ``Asks[...]``)."""
+    (asks,) = [b for b in getattr(request, "__orig_bases__", ()) if typing.get_origin(b) is Asks]
+    holder = types.SimpleNamespace(__annotations__={"answer": typing.get_args(asks)[0]})
+    answer = typing.get_type_hints(holder, globals())["answer"]
+    return typing.get_args(answer) or (answer,)
 
 
 @message("stage", channel=DATA)
@@ -103,7 +141,7 @@ class StageData:
 
 @message("seq-open", channel=DATA)
 @dataclasses.dataclass(frozen=True)
-class SequenceOpen:
+class SequenceOpen(Asks["SequenceOpened"]):
     """The head asks the last stage to sample a new sequence with these settings; the answer
     (``SequenceOpened``) comes before the head runs the sequence's first step. ``skip`` is
     the number of tokens already sampled for this answer (a resumed answer continues the
@@ -160,7 +198,7 @@ class SequenceDrop:
 
 @message("seq-move", channel=DATA)
 @dataclasses.dataclass(frozen=True)
-class SequenceMove:
+class SequenceMove(Asks["SequenceMoved"]):
     """The head moves an answer to plan ``to_plan`` at a token boundary: the stage of
     ``plan`` that gets this sends its K/V of ``seq_id`` to the peers holding the same units
     in ``to_plan`` (``holders[u]`` holds unit u), stored there under ``to_seq_id``
@@ -181,7 +219,7 @@ class SequenceMove:
 
 @message("seq-state", channel=DATA)
 @dataclasses.dataclass(frozen=True)
-class SequenceState:
+class SequenceState(Asks["SequenceMoved"]):
     """The K/V of ``units`` for sequence ``seq_id`` of plan ``plan``, keyed by the units'
     state input names, to store on the stage holding those units; answered by
     ``SequenceMoved``."""
@@ -209,7 +247,7 @@ class SequenceMoved:
 
 @message("seq-stats-ask", channel=DATA)
 @dataclasses.dataclass(frozen=True)
-class SequenceStatsRequest:
+class SequenceStatsRequest(Asks["SequenceStats"]):
     """The head, as an answer ends, asks each stage what the sequence cost it."""
 
     KIND: ClassVar[str]
@@ -416,7 +454,7 @@ class LinkFigures:
 
 @message("measure")
 @dataclasses.dataclass(frozen=True)
-class MeasureRequest:
+class MeasureRequest(Asks["Measurement"]):
     """The leader of ``epoch`` asks for the receiver's PeerFigures."""
 
     KIND: ClassVar[str]
@@ -436,7 +474,7 @@ class Measurement:
 
 @message("probe")
 @dataclasses.dataclass(frozen=True)
-class ProbeRequest:
+class ProbeRequest(Asks["ProbeReport"]):
     """The leader of ``epoch`` asks the receiver to measure its links to ``targets``, sending
     ``payload_bytes`` to each for the bandwidth."""
 
@@ -464,7 +502,7 @@ class ProbeReport:
 
 @message("ping")
 @dataclasses.dataclass(frozen=True)
-class Ping:
+class Ping(Asks["Pong"]):
     KIND: ClassVar[str]
     CHANNEL: ClassVar[str]
     req: int
@@ -480,7 +518,7 @@ class Pong:
 
 @message("bandwidth", channel=DATA)
 @dataclasses.dataclass(frozen=True)
-class BandwidthProbe:
+class BandwidthProbe(Asks["BandwidthAck"]):
     """A timed bulk transfer: one uint8 tensor named ``payload``."""
 
     KIND: ClassVar[str]
@@ -489,11 +527,8 @@ class BandwidthProbe:
     tensors: Tensors
 
     def __post_init__(self):
-        payload = self.tensors.get("payload")
-        _require(
-            len(self.tensors) == 1 and payload is not None and payload.dtype == np.uint8,
-            "bandwidth: expected one uint8 tensor named 'payload'",
-        )
+        payload = _sole_tensor(self.tensors, "payload", "bandwidth")
+        _require(payload.dtype == np.uint8, "bandwidth: payload is not uint8")
         _require(payload.nbytes <= MAX_PROBE_BYTES, "bandwidth: payload too large")
 
 
@@ -533,7 +568,7 @@ def _require_sha256(value: str, where: str) -> None:
 
 @message("manifest-request")
 @dataclasses.dataclass(frozen=True)
-class ManifestRequest:
+class ManifestRequest(Asks["ManifestOffer"]):
     """The leader of ``epoch`` asks a model peer for its manifest; ``have`` is the key of the
     manifest it already holds, which the answer then leaves out."""
 
@@ -675,7 +710,7 @@ class DeployReport:
 
 @message("unit-chunk-request", channel=DATA)
 @dataclasses.dataclass(frozen=True)
-class UnitChunkRequest:
+class UnitChunkRequest(Asks["UnitChunk | UnitRefused"]):
     """Asks the model peer for ``length`` bytes of unit file ``sha256`` from ``offset``."""
 
     KIND: ClassVar[str]
@@ -707,12 +742,8 @@ class UnitChunk:
 
     def __post_init__(self):
         _require_sha256(self.sha256, "unit-chunk")
-        data = self.tensors.get("data")
-        _require(
-            len(self.tensors) == 1 and data is not None and data.dtype == np.uint8
-            and data.ndim == 1,
-            "unit-chunk: expected one 1-D uint8 tensor named 'data'",
-        )
+        data = _sole_tensor(self.tensors, "data", "unit-chunk")
+        _require(data.dtype == np.uint8 and data.ndim == 1, "unit-chunk: data is not 1-D uint8")
         _require(0 < data.nbytes <= MAX_CHUNK_BYTES, "unit-chunk: chunk size out of range")
         _require(self.offset >= 0 and self.offset + data.nbytes <= self.size,
                  "unit-chunk: chunk outside the file")
@@ -729,7 +760,7 @@ class UnitRefused:
     reason: str
 
 
-def encode(msg: Any) -> list[bytes | memoryview]:
+def encode(msg: Message) -> list[bytes | memoryview]:
     """Frames for a registered message: a msgpack header, then one frame per tensor."""
     kind = getattr(type(msg), "KIND", None)
     if kind not in _REGISTRY or _REGISTRY[kind] is not type(msg):
@@ -742,7 +773,9 @@ def encode(msg: Any) -> list[bytes | memoryview]:
             header["tensors"], frames = _tensor_frames(value)
         else:
             header[field.name] = _plain(value)
-    return [msgpack.packb(header, use_bin_type=True), *frames]
+    # msgpack has no type hints; its pure-Python fallback's `pack` reads as Optional
+    packed: bytes = msgpack.packb(header, use_bin_type=True)  # pyright: ignore[reportAssignmentType]
+    return [packed, *frames]
 
 
 def _plain(value: Any) -> Any:
@@ -756,19 +789,20 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _tensor_frames(tensors: Tensors) -> tuple[list, list[memoryview]]:
-    specs, frames = [], []
+def _tensor_frames(tensors: Tensors) -> tuple[list[list[Any]], list[bytes | memoryview]]:
+    specs: list[list[Any]] = []
+    frames: list[bytes | memoryview] = []
     for name, array in tensors.items():
         array = np.ascontiguousarray(array)
         dtype = array.dtype.name
         if dtype not in WIRE_DTYPES:
             raise TypeError(f"tensor {name!r}: dtype {dtype} cannot travel on the wire")
         specs.append([name, dtype, list(array.shape)])
-        frames.append(memoryview(array.reshape(-1).view(np.uint8)))  # also when empty
+        frames.append(array.reshape(-1).view(np.uint8).data)  # also when empty
     return specs, frames
 
 
-def decode(frames: Sequence[bytes | memoryview | Any]) -> Any:
+def decode(frames: Sequence[bytes | memoryview | Any]) -> Message:
     """The message carried by these frames, or ProtocolError saying what is wrong."""
     if not frames:
         raise ProtocolError("empty message")
@@ -908,7 +942,7 @@ def _check(value: Any, hint: Any, name: str) -> Any:
     elif hint in (int, str, bool, bytes):
         if type(value) is hint:
             return value
-    elif dataclasses.is_dataclass(hint):
+    elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
         if isinstance(value, dict):
             return _build(hint, dict(value), name)
     else:

@@ -14,8 +14,9 @@ separate sockets, TCP connections, queues and libzmq I/O threads, so a heartbeat
 never waits behind a bulk transfer.
 
 A request is a message with a ``req`` field; the answer comes back over the same connection
-(ROUTER to DEALER) with the same ``req``. Everything received is decoded by peerd.wire.protocol;
-a malformed message, or one on the wrong channel, is logged, counted and dropped.
+(ROUTER to DEALER) with the same ``req``, of a kind that answers it (``protocol.Asks``).
+Everything received is decoded by peerd.wire.protocol; a malformed message, or one on the
+wrong channel, is logged, counted and dropped.
 """
 
 from __future__ import annotations
@@ -24,19 +25,19 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import typing
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import zmq
 import zmq.asyncio
 
 from peerd.wire import protocol
 from peerd.wire.identity import ClusterSecret, KeyPair
-from peerd.wire.protocol import CONTROL, DATA, HELLO, ProtocolError
+from peerd.wire.protocol import CONTROL, DATA, HELLO, Asks, Message, ProtocolError
 from peerd.wire.zap import ZapHandler
 
 log = logging.getLogger("peerd.wire.transport")
+Answer = TypeVar("Answer")
 
 # Largest single frame each channel's sockets accept; a bigger one drops the connection.
 FRAME_LIMITS = {
@@ -48,7 +49,6 @@ SEND_HWM = {HELLO: 16, CONTROL: 1000, DATA: 64}
 # libzmq I/O thread bitmask per channel: data has its own thread.
 AFFINITY = {HELLO: 1, CONTROL: 1, DATA: 2}
 RECONNECT_MS, RECONNECT_MAX_MS = 100, 1000
-A = TypeVar("A")  # the kind of answer a request expects
 HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -92,8 +92,8 @@ class Incoming:
     channel: str
     sender_key: str
     peer_address: str
-    msg: Any
-    reply: Callable[[Any], None]
+    msg: Message
+    reply: Callable[[Message], None]
 
 
 class _Dealer:
@@ -118,11 +118,11 @@ class _Dealer:
         self.socket = socket
         self._replies = asyncio.create_task(self._transport.receive_replies(socket))
 
-    def _shut(self) -> None:
+    def _shut(self, socket: zmq.asyncio.Socket) -> None:
         self._replies.cancel()
-        self.socket.disable_monitor()
+        socket.disable_monitor()
         self._monitor.close(linger=0)
-        self.socket.close(linger=0)
+        socket.close(linger=0)
         self.socket = None
 
     async def _keep(self) -> None:
@@ -130,7 +130,8 @@ class _Dealer:
         try:
             while True:
                 await self._monitor.recv_multipart()
-                self._shut()
+                if self.socket is not None:
+                    self._shut(self.socket)
                 log.info("handshake with %s refused; retrying in %.1fs",
                          self._endpoint.address, delay)
                 await asyncio.sleep(delay)
@@ -138,7 +139,7 @@ class _Dealer:
                 self._open()
         finally:
             if self.socket is not None:
-                self._shut()
+                self._shut(self.socket)
 
 
 class _Link:
@@ -178,7 +179,7 @@ class Transport:
         self.zap = ZapHandler(self._context)
         self._routers: dict[str, zmq.asyncio.Socket] = {}
         self._links: dict[str, _Link] = {}
-        self._pending: dict[int, asyncio.Future] = {}
+        self._pending: dict[int, asyncio.Future[Message]] = {}
         self._tasks: list[asyncio.Task] = []
         self._requests = itertools.count(1)
         self.malformed = 0
@@ -278,19 +279,19 @@ class Transport:
 
     # -- sending ------------------------------------------------------------------------------
 
-    def send(self, peer_id: str, msg: Any) -> bool:
+    def send(self, peer_id: str, msg: Message) -> bool:
         """Queue a message without waiting; False if the member is not reachable now."""
         link = self._links.get(peer_id)
         sock = link.socket(msg.CHANNEL) if link is not None else None
         return sock is not None and _send_now(sock, protocol.encode(msg))
 
-    async def deliver(self, peer_id: str, msg: Any, timeout: float) -> None:
+    async def deliver(self, peer_id: str, msg: Message, timeout: float) -> None:
         """Send, waiting while the member's queue is full (data must not be dropped)."""
         link = self._links.get(peer_id)
         sock = link.socket(msg.CHANNEL) if link is not None else None
         if sock is None:
             raise TransportError(f"{peer_id} is not reachable")
-        sending = sock.send_multipart(protocol.encode(msg), copy=False)
+        sending = _sent(sock, protocol.encode(msg))
         if sending.done():  # queued at once, as almost always: no timer, no loop iteration
             sending.result()
             return
@@ -299,45 +300,43 @@ class Transport:
         except TimeoutError:
             raise TransportError(f"{peer_id} took no {msg.KIND} for {timeout}s") from None
 
-    @typing.overload
-    async def request(self, peer_id: str, msg: Any, timeout: float) -> Any: ...
-
-    @typing.overload
-    async def request(self, peer_id: str, msg: Any, timeout: float, answer: type[A]) -> A: ...
-
-    async def request(self, peer_id: str, msg: Any, timeout: float,
-                      answer: type[A] | None = None) -> Any:
-        """Send a message with a fresh ``req`` and wait for the answer carrying it; with
-        ``answer``, an answer of another kind is a TransportError."""
+    async def request(self, peer_id: str, msg: Asks[Answer], timeout: float) -> Answer:
+        """Send a request with a fresh ``req`` and wait for the answer carrying it, which
+        must be of a kind that answers this request."""
         req = next(self._requests)
-        future = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[req] = future
         try:
             if not self.send(peer_id, dataclasses.replace(msg, req=req)):
                 raise TransportError(f"{peer_id} is not reachable")
-            got = await asyncio.wait_for(future, timeout)
+            answer = await asyncio.wait_for(future, timeout)
         except TimeoutError:
             raise TransportError(f"{peer_id} did not answer {msg.KIND} in {timeout}s") from None
         finally:
             self._pending.pop(req, None)
-        if answer is not None and not isinstance(got, answer):
-            raise TransportError(f"{peer_id} answered {msg.KIND} with {got.KIND}")
-        return got
+        if not isinstance(answer, protocol.answer_kinds(type(msg))):
+            raise TransportError(f"{peer_id} answered {msg.KIND} with {answer.KIND}")
+        return cast(Answer, answer)  # answer_kinds(type(msg)) are the classes Answer names
 
-    async def hello(self, host: str, port: int, msg: protocol.Hello, timeout: float) -> Any:
+    async def hello(
+        self, host: str, port: int, msg: protocol.Hello, timeout: float
+    ) -> protocol.Hello:
         """Introduce ourselves to a static peer's hello socket and return its answer."""
         url = f"tcp://{_host(host)}:{port}"
         sock = self.dealer(HELLO, self._hello_server.public)
         sock.connect(url)
         try:
-            await asyncio.wait_for(sock.send_multipart(protocol.encode(msg)), timeout)
+            await asyncio.wait_for(_sent(sock, protocol.encode(msg)), timeout)
             frames = await asyncio.wait_for(sock.recv_multipart(copy=False), timeout)
-            return protocol.decode(frames)
+            answer = protocol.decode(frames)
         except (TimeoutError, ProtocolError) as exc:
             reason = str(exc) or "no answer in time"
             raise TransportError(f"no valid hello from {host}:{port}: {reason}") from None
         finally:
             sock.close(linger=0)
+        if not isinstance(answer, protocol.Hello):
+            raise TransportError(f"no valid hello from {host}:{port}: {answer.KIND} instead")
+        return answer
 
     # -- receiving ----------------------------------------------------------------------------
 
@@ -371,7 +370,7 @@ class Transport:
         except Exception:  # a handler bug must not take the receive loop down
             log.exception("handling %s from %s failed", msg.KIND, incoming.peer_address)
 
-    def _reply(self, sock: zmq.asyncio.Socket, routing_id: bytes, answer: Any) -> None:
+    def _reply(self, sock: zmq.asyncio.Socket, routing_id: bytes, answer: Message) -> None:
         if not _send_now(sock, [routing_id, *protocol.encode(answer)]):
             log.info("could not answer with %s: the asker is gone", answer.KIND)
 
@@ -383,7 +382,8 @@ class Transport:
             except ProtocolError as exc:
                 self._drop("reply", str(exc))
                 continue
-            future = self._pending.get(getattr(msg, "req", None))
+            req = getattr(msg, "req", None)
+            future = self._pending.get(req) if isinstance(req, int) else None
             if future is not None and not future.done():
                 future.set_result(msg)
 
@@ -399,8 +399,14 @@ def _worth_logging(count: int) -> bool:
     return count <= 10 or count % 100 == 0
 
 
-def _send_now(sock: zmq.asyncio.Socket, frames: list) -> bool:
-    future = sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+def _sent(sock: zmq.asyncio.Socket, frames: list[Any], flags: int = 0) -> asyncio.Future[Any]:
+    """The send's future: pyzmq's asyncio socket returns one, which its hints call only an
+    Awaitable (ensure_future hands a future back unchanged)."""
+    return asyncio.ensure_future(sock.send_multipart(frames, flags=flags, copy=False))
+
+
+def _send_now(sock: zmq.asyncio.Socket, frames: list[Any]) -> bool:
+    future = _sent(sock, frames, zmq.NOBLOCK)
     if not future.done():  # queued behind another send: it finishes later on its own
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         return True

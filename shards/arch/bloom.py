@@ -36,6 +36,8 @@ class BloomEmbedding(nn.Module):
 class Alibi(nn.Module):
     """position_ids [1, T] -> [1, heads, 1, T]: the ALiBi bias of the T new keys."""
 
+    slopes: torch.Tensor  # a buffer
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.register_buffer("slopes", alibi_slopes(config.num_heads), persistent=False)
@@ -45,6 +47,8 @@ class Alibi(nn.Module):
 
 
 class BloomAttention(nn.Module):
+    slopes: torch.Tensor  # a buffer
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden = config.hidden_size

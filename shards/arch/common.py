@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,9 @@ class CausalLM(nn.Module):
     `build_model` gives each instance a `forward` with one named argument per cache tensor.
     """
 
+    layers: nn.ModuleList  # of Layer
+    head: nn.Module
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -50,7 +55,7 @@ class CausalLM(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         hidden, step = self.prepare(input_ids, position_ids)
         present = []
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(cast("Iterable[Layer]", self.layers)):  # ModuleList is untyped
             hidden, key, value = layer.attn(hidden, *step, past[2 * i], past[2 * i + 1])
             hidden = layer.mlp(hidden)
             present += [key, value]
@@ -104,12 +109,12 @@ class CausalMask(nn.Module):
         return torch.where(visible, 0.0, NEG_INF)[None, None]
 
 
-def extend_mask(mask: torch.Tensor, past_len: torch.Tensor | int) -> torch.Tensor:
+def extend_mask(mask: torch.Tensor, past_len: int) -> torch.Tensor:
     """[.., T, T] mask of the new keys -> [.., T, P+T]: cached keys are all visible."""
     return F.pad(mask, (past_len, 0))
 
 
-def apply_window(bias: torch.Tensor, past_len: torch.Tensor | int, window: int) -> torch.Tensor:
+def apply_window(bias: torch.Tensor, past_len: int, window: int) -> torch.Tensor:
     """Hide keys `window` or more positions behind the query (Mistral-style sliding window)."""
     queries = torch.arange(bias.shape[-2]) + past_len
     keys = torch.arange(bias.shape[-1])

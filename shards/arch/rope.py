@@ -42,6 +42,8 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """position_ids [1, T] -> (cos, sin), each [1, 1, T, head_dim], shared by every layer."""
 
+    inv_freq: torch.Tensor  # a buffer
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
@@ -52,15 +54,16 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = config.max_positions
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self.inv_freq if self.dynamic_factor is None else self._ntk(position_ids)
+        factor = self.dynamic_factor
+        inv_freq = self.inv_freq if factor is None else self._ntk(position_ids, factor)
         freqs = position_ids[..., None].float() * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)[:, None]
         return angles.cos(), angles.sin()
 
-    def _ntk(self, position_ids: torch.Tensor) -> torch.Tensor:
+    def _ntk(self, position_ids: torch.Tensor, factor: float) -> torch.Tensor:
         """Dynamic NTK: the base grows once the sequence outgrows max_positions."""
         seq_len = torch.clamp(position_ids.max() + 1, min=self.max_positions).float()
-        dim, factor = self.head_dim, self.dynamic_factor
+        dim = self.head_dim
         growth = factor * seq_len / self.max_positions - (factor - 1)
         base = self.theta * growth ** (dim / (dim - 2))
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim

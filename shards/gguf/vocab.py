@@ -153,8 +153,9 @@ def _sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int]) ->
     unknown = _unknown_token(meta, tokens, types)
     backend = _bpe(tokens, _sentencepiece_merges(tokens, scores, types), unk_token=unknown,
                    fuse_unk=unknown is not None, byte_fallback=True)
-    normalizer = [normalizers.Replace(" ", _SPACE)]
-    decoder = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    normalizer: list[normalizers.Normalizer] = [normalizers.Replace(" ", _SPACE)]
+    decoder: list[decoders.Decoder] = [
+        decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if meta.get("tokenizer.ggml.add_space_prefix", True):
         normalizer.insert(0, normalizers.Prepend(_SPACE))
         decoder.append(decoders.Strip(" ", 1, 0))  # the prepended space

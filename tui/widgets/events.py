@@ -37,7 +37,7 @@ class Entry:
 
 def describe(event: Event, known: dict[str, str]) -> str:
     """One line for `event`, with peer ids replaced by names."""
-    special = _DESCRIBE.get(event.get("event"))
+    special = _DESCRIBE.get(event.get("event", ""))
     try:
         line = special(event, known) if special else None
     except (KeyError, TypeError, ValueError):

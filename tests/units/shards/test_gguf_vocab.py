@@ -15,21 +15,14 @@ import sys
 import gguf
 import pytest
 import transformers
-from gguf_vocab import add_vocab
+from checkpoints import TOKENIZER_FAMILIES, TOKENIZERS
+from gguf_vocab import write_vocab_gguf
 
 from peerd.commands import generate
 from peerd.errors import PeerdError
 from peerd.inference.serving import Serving
 from shards.errors import ModelError, NoTokenizer
 from shards.tokenizer import Tokenizer
-
-# llama.cpp's name for each kind of tokenizer -> (family, make_checkpoint's tokenizer=)
-KINDS = {
-    "spm": ("llama", "spm"),
-    "llama-bpe": ("llama", "llama-bpe"),
-    "qwen2": ("qwen2", "qwen2"),
-    "gpt-2": ("gpt2", "gpt-2"),
-}
 
 TEXTS = [
     "hello world! how are you today?",
@@ -55,28 +48,13 @@ CONVERSATION = [
 ]
 
 
-def write_gguf(path, arch="llama", vocab_of=None, **fields):
-    """A GGUF with no tensors: `vocab_of`'s tokenizer as llama.cpp writes it, and/or
-    tokenizer metadata given as keyword arguments (key without `tokenizer.ggml.`)."""
-    writer = gguf.GGUFWriter(str(path), arch)
-    if vocab_of is not None:
-        add_vocab(writer, vocab_of)
-    for key, value in fields.items():
-        getattr(writer, f"add_{key}")(value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-@pytest.fixture(scope="module", params=list(KINDS))
+@pytest.fixture(scope="module", params=TOKENIZERS)
 def kind(request, hf_checkpoint, tmp_path_factory):
     """(checkpoint directory, its GGUF) for each kind of tokenizer."""
-    family, style = KINDS[request.param]
-    model_dir = hf_checkpoint(family, tokenizer=style)
+    family = TOKENIZER_FAMILIES[request.param]
+    model_dir = hf_checkpoint(family, tokenizer=request.param)
     path = tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf"
-    return model_dir, write_gguf(path, family, vocab_of=model_dir)
+    return model_dir, write_vocab_gguf(path, family, vocab_of=model_dir)
 
 
 def test_the_file_holds_the_kind_llama_cpp_writes(kind):
@@ -138,7 +116,7 @@ def test_chat_template_renders_as_from_the_directory(kind, add_generation_prompt
 
 
 def test_a_gguf_without_a_tokenizer_says_to_give_token_ids(tmp_path):
-    path = write_gguf(tmp_path / "bare.gguf")
+    path = write_vocab_gguf(tmp_path / "bare.gguf")
     with pytest.raises(NoTokenizer) as caught:
         Tokenizer.from_model(path)
     assert str(caught.value) == (
@@ -146,7 +124,7 @@ def test_a_gguf_without_a_tokenizer_says_to_give_token_ids(tmp_path):
 
 
 def test_an_unsupported_tokenizer_model_says_to_give_token_ids(tmp_path):
-    path = write_gguf(tmp_path / "bert.gguf", "bert", tokenizer_model="bert",
+    path = write_vocab_gguf(tmp_path / "bert.gguf", "bert", tokenizer_model="bert",
                       token_list=["[PAD]", "[UNK]", "a"], token_types=[3, 2, 1])
     with pytest.raises(NoTokenizer) as caught:
         Tokenizer.from_model(path)
@@ -162,7 +140,7 @@ def test_an_unknown_pre_tokenizer_is_refused(tmp_path, pre):
               "token_merges": ["a b"], "token_types": [1, 1, 1]}
     if pre is not None:
         fields["tokenizer_pre"] = pre
-    path = write_gguf(tmp_path / "old.gguf", **fields)
+    path = write_vocab_gguf(tmp_path / "old.gguf", **fields)
     with pytest.raises(NoTokenizer) as caught:
         Tokenizer.from_gguf(path)
     assert str(caught.value) == (
@@ -172,7 +150,7 @@ def test_an_unknown_pre_tokenizer_is_refused(tmp_path, pre):
 
 
 def test_control_tokens_are_special_and_user_defined_ones_whole(tmp_path):
-    path = write_gguf(tmp_path / "tiny.gguf", tokenizer_model="gpt2", tokenizer_pre="gpt-2",
+    path = write_vocab_gguf(tmp_path / "tiny.gguf", tokenizer_model="gpt2", tokenizer_pre="gpt-2",
                       token_list=["a", "b", "ab", "Ġ", "Ġab", "<|end|>", "<think>"],
                       token_merges=["a b", "Ġ ab"], token_types=[1, 1, 1, 1, 1, 3, 4],
                       eos_token_id=5)
@@ -187,7 +165,7 @@ def test_control_tokens_are_special_and_user_defined_ones_whole(tmp_path):
 def test_llama3_takes_a_word_in_the_vocabulary_whole(tmp_path, pre, expected):
     """llama.cpp (and Llama 3's tokenizer.json, ignore_merges) look a word up before merging:
     here merging "abc" gives a + bc, as "b c" ranks first and "a bc" is no merge."""
-    path = write_gguf(tmp_path / "whole.gguf", tokenizer_model="gpt2", tokenizer_pre=pre,
+    path = write_vocab_gguf(tmp_path / "whole.gguf", tokenizer_model="gpt2", tokenizer_pre=pre,
                       token_list=["a", "b", "c", "bc", "ab", "abc"],
                       token_merges=["b c", "a b", "ab c"], add_bos_token=False)
     assert Tokenizer.from_gguf(path).encode("abc") == expected
@@ -205,20 +183,21 @@ def test_llama3_takes_a_word_in_the_vocabulary_whole(tmp_path, pre, expected):
 ])
 def test_a_malformed_vocabulary_is_a_one_line_error(tmp_path, fields, message):
     base = {"tokenizer_model": "gpt2", "tokenizer_pre": "gpt-2", "token_list": ["a", "b", "ab"]}
-    path = write_gguf(tmp_path / "bad.gguf", **base, **fields)
+    path = write_vocab_gguf(tmp_path / "bad.gguf", **base, **fields)
     with pytest.raises(ModelError, match=f"^{message}$"):
         Tokenizer.from_gguf(path)
 
 
 def test_a_sentencepiece_file_without_scores_is_an_error(tmp_path):
-    path = write_gguf(tmp_path / "spm.gguf", tokenizer_model="llama", token_list=["<unk>", "a"])
+    path = write_vocab_gguf(tmp_path / "spm.gguf", tokenizer_model="llama",
+                            token_list=["<unk>", "a"])
     with pytest.raises(ModelError, match="^GGUF file lacks metadata 'tokenizer.ggml.scores'$"):
         Tokenizer.from_gguf(path)
 
 
 def test_generate_and_the_head_take_the_tokenizer_of_a_gguf(hf_checkpoint, tmp_path):
     model_dir = hf_checkpoint("llama", tokenizer="spm")
-    path = write_gguf(tmp_path / "spm.gguf", vocab_of=model_dir)
+    path = write_vocab_gguf(tmp_path / "spm.gguf", vocab_of=model_dir)
     source = Tokenizer.from_dir(model_dir)
     prompt = generate._prompt_ids(argparse.Namespace(prompt_ids=None, prompt="héllo"), path)
     assert prompt == source.prompt_ids("héllo")
@@ -228,7 +207,7 @@ def test_generate_and_the_head_take_the_tokenizer_of_a_gguf(hf_checkpoint, tmp_p
 
 
 def test_without_a_gguf_tokenizer_generate_and_the_head_take_ids(tmp_path):
-    path = write_gguf(tmp_path / "bare.gguf")
+    path = write_vocab_gguf(tmp_path / "bare.gguf")
     with pytest.raises(PeerdError, match="^no tokenizer: .* \\(give the prompt as token ids\\)$"):
         generate._prompt_ids(argparse.Namespace(prompt_ids=None, prompt="hi"), path)
     assert generate._prompt_ids(argparse.Namespace(prompt_ids=[1, 5], prompt=None), path) == [1, 5]
@@ -237,7 +216,7 @@ def test_without_a_gguf_tokenizer_generate_and_the_head_take_ids(tmp_path):
 
 
 def test_the_gguf_tokenizer_does_not_import_torch(hf_checkpoint, tmp_path):
-    path = write_gguf(tmp_path / "spm.gguf", vocab_of=hf_checkpoint("llama", tokenizer="spm"))
+    path = write_vocab_gguf(tmp_path / "spm.gguf", vocab_of=hf_checkpoint("llama", tokenizer="spm"))
     code = (
         "import sys\n"
         "from shards.tokenizer import Tokenizer\n"

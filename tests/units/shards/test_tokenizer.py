@@ -1,18 +1,23 @@
-"""shards.tokenizer against transformers' own tokenizer on the same checkpoint files."""
+"""shards.tokenizer against transformers' own tokenizer on the same checkpoint files, and
+TextStream's pieces against decoding every token, for each kind of tokenizer."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
 import transformers
-from checkpoints import BOS_ID, EOS_ID, IM_START_ID
+from checkpoints import BOS_ID, EOS_ID, IM_START_ID, TOKENIZER_FAMILIES, TOKENIZERS
+from gguf_vocab import write_vocab_gguf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from shards.errors import ModelError
-from shards.tokenizer import Tokenizer
+from shards.tokenizer import TextStream, Tokenizer
 
 TEXTS = ["hello world! how are you today?", "  numbers 0 1 2 3, tabs\tand\nnewlines ", "ünïcödé ✓"]
 CONVERSATION = [
@@ -131,3 +136,82 @@ def test_tokenizer_does_not_import_torch(hf_checkpoint):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.fixture(scope="module", params=[(kind, source) for kind in TOKENIZERS
+                                        for source in ("dir", "gguf")], ids="-".join)
+def any_tokenizer(request, hf_checkpoint, tmp_path_factory):
+    """Each kind of tokenizer, from a checkpoint directory and rebuilt from a GGUF file."""
+    kind, source = request.param
+    family = TOKENIZER_FAMILIES[kind]
+    model_dir = hf_checkpoint(family, tokenizer=kind)
+    if source == "dir":
+        return Tokenizer.from_dir(model_dir)
+    path = tmp_path_factory.mktemp("gguf") / f"{kind}.gguf"
+    return Tokenizer.from_gguf(write_vocab_gguf(path, family, vocab_of=model_dir))
+
+
+CHARACTERS = st.characters(exclude_categories=("Cs",)) | st.sampled_from("日本語🙂👍🏽é ▁\n\t")
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")
+
+
+def token_ids(tokenizer: Tokenizer) -> st.SearchStrategy[list[int]]:
+    """Encoded texts, special tokens and single tokens of any kind, in any order. SentencePiece
+    byte tokens come only as the bytes of whole characters in encoded text: a run of them that
+    is not UTF-8 decodes to U+FFFD for every byte, characters the run completed earlier
+    included, so no stream could hand such a character out before the run ends."""
+    backend = tokenizer.backend
+    singles = [i for i in range(backend.get_vocab_size())
+               if not _BYTE_TOKEN.fullmatch(backend.id_to_token(i) or "")]
+    segment = st.one_of(
+        st.text(CHARACTERS, max_size=8).map(
+            lambda text: tokenizer.encode(text, add_special_tokens=False)),
+        st.sampled_from(sorted(backend.get_added_tokens_decoder())).map(lambda i: [i]),
+        st.sampled_from(singles).map(lambda i: [i]),
+    )
+    return st.lists(segment, max_size=12).map(lambda segments: sum(segments, []))
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_stream_pieces_are_the_text_of_all_tokens_in_whole_characters(any_tokenizer, data):
+    """After each token, the text handed out is the decode of every token so far, or, while
+    that ends inside a character (in U+FFFD), what was handed out before."""
+    ids = data.draw(token_ids(any_tokenizer))
+    stream, expected = TextStream(any_tokenizer), ""
+    for count, token in enumerate(ids, 1):
+        before = stream.text
+        piece = stream.add(token)
+        whole = any_tokenizer.decode(ids[:count])
+        if not whole.endswith("\ufffd"):
+            expected = whole
+        assert before + piece == stream.text == expected, (ids[:count], piece)
+        assert not piece.endswith("\ufffd")
+
+
+class CountingDecodes:
+    """A tokenizer that counts the token ids it is given to decode."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids_decoded = 0
+
+    def decode(self, ids: list[int]) -> str:
+        self.ids_decoded += len(ids)
+        return self.tokenizer.decode(ids)
+
+
+def test_stream_work_per_token_is_constant(any_tokenizer):
+    """A 2,000-token answer decodes a few ids per token (decoding the whole answer at every
+    token would decode about 2,000,000)."""
+    paragraph = "Héllo, naïve café: 日本語のテキスト 🙂👍🏽 and plain words, numbers 0 1 10 100.\n"
+    ids = any_tokenizer.encode(paragraph * 200, add_special_tokens=False)[:2000]
+    while any_tokenizer.decode(ids).endswith("\ufffd"):  # cut inside a character
+        ids.pop()
+    assert len(ids) > 1990
+    counting = CountingDecodes(any_tokenizer)
+    stream = TextStream(counting)
+    pieces = [stream.add(token) for token in ids]
+    assert counting.ids_decoded < 10 * len(ids)
+    assert "".join(pieces) == stream.text == any_tokenizer.decode(ids)

@@ -1,6 +1,7 @@
 """The encrypted transport on loopback: requests, ZAP admission, malformed input, channels."""
 
 import asyncio
+import dataclasses
 
 import msgpack
 import numpy as np
@@ -19,7 +20,8 @@ HOST = "127.0.0.1"
 
 
 class Node:
-    """A transport that answers pings and bandwidth probes and remembers what it got."""
+    """A transport that answers pings and bandwidth probes (and link probes with a pong) and
+    remembers what it got."""
 
     def __init__(self, secret: ClusterSecret = SECRET):
         self.keys = KeyPair.generate()
@@ -36,6 +38,8 @@ class Node:
             incoming.reply(protocol.BandwidthAck(msg.req, msg.tensors["payload"].nbytes))
         elif isinstance(msg, protocol.Hello):
             incoming.reply(protocol.Hello(record={"answer": "yes"}))
+        elif isinstance(msg, protocol.ProbeRequest):  # a kind that does not answer it
+            incoming.reply(protocol.Pong(msg.req))
         elif isinstance(msg, protocol.Goodbye):
             raise RuntimeError("a handler bug")
 
@@ -192,3 +196,22 @@ async def test_requests_to_unknown_or_silent_peers_fail_cleanly(pair):
     await answered(a.transport, "b")
     with pytest.raises(TransportError, match="did not answer"):
         await a.transport.request("b", protocol.MeasureRequest(req=0, epoch=1), 0.3)
+
+
+async def test_an_answer_of_the_wrong_kind_is_an_error(pair):
+    a, b = pair
+    await answered(a.transport, "b")
+    probe = protocol.ProbeRequest(req=0, epoch=1, targets=("a",), payload_bytes=1)
+    with pytest.raises(TransportError, match="^b answered probe with pong$"):
+        await a.transport.request("b", probe, 5.0)
+
+
+def test_every_request_names_registered_answers_that_carry_its_number():
+    requests = [c for c in protocol.kinds().values() if issubclass(c, protocol.Asks)]
+    assert len(requests) == 10
+    for request in requests:
+        answers = protocol.answer_kinds(request)
+        assert answers and all(protocol.kinds()[a.KIND] is a for a in answers), request
+        assert all("req" in {f.name for f in dataclasses.fields(a)} for a in answers), request
+    assert protocol.answer_kinds(protocol.UnitChunkRequest) == (
+        protocol.UnitChunk, protocol.UnitRefused)
