@@ -47,6 +47,7 @@ from peerd.control.deploy import Deployment
 from peerd.control.model_host import ModelHost
 from peerd.control.unit_store import UnitStore
 from peerd.control.unit_transfer import CHUNK_TIMEOUT_S, ChunkServer
+from peerd.daemon.limits import raise_file_limit
 from peerd.daemon.sd_notify import Notifier
 from peerd.errors import PeerdError
 from peerd.inference.serving import Serving
@@ -174,6 +175,7 @@ class Daemon:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop)
         self.notifier = Notifier.from_environment()
+        raise_file_limit()
         try:
             ports = self.transport.start()
         except TransportError as exc:
