@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from peerd import statedir
-from peerd.api import status
+from peerd.api import openai_api, status
 from peerd.api.local_api import EventBus, LocalApi, Send
-from peerd.api.openai_api import OpenAiApi, parse_address, served_model
+from peerd.api.openai_api import OpenAiApi, served_model
 from peerd.api.plan_events import plan_events
 from peerd.cluster import election, membership
 from peerd.cluster.benchmark import PROBE_BYTES, collect_figures, collect_links, measure_links
@@ -93,7 +93,7 @@ class Options:
     fp16_wire: bool = False
     rebalance: bool = True  # as leader, move work when load or battery change
     objective: str = "throughput"  # what this peer's plans optimise while it leads
-    openai: tuple[str, int] | None = None  # where the OpenAI-compatible endpoint listens
+    openai: openai_api.Settings | None = None  # the OpenAI-compatible endpoint, if served
 
 
 class Daemon:
@@ -191,7 +191,7 @@ class Daemon:
              "chat": self._op_chat, "rebalance": self._op_rebalance},
         )
         self.openai = (
-            OpenAiApi(self._op_chat, lambda: served_model(self.deployment))
+            OpenAiApi(self._op_chat, lambda: served_model(self.deployment), self.options.openai)
             if self.options.openai else None
         )
         self.discovery = MdnsDiscovery(
@@ -201,7 +201,7 @@ class Daemon:
         try:
             await self.api.start()
             if self.openai is not None:
-                await self.openai.start(*self.options.openai)
+                await self.openai.start()
             await self.discovery.start()
             self._start_loops()
             log.info("peerd %s (%s) started: hello %d, control %d, data %d, instance %s",
@@ -656,6 +656,7 @@ class Daemon:
         self._refresh_serving()
         document["dataplane"] = self.serving.status()
         document["torch_imported"] = "torch" in sys.modules
+        document["openai"] = self.openai.status() if self.openai is not None else None
         return document
 
     def _model(self) -> dict[str, Any] | None:
@@ -743,7 +744,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         objective=args.objective,
         model=args.model,
         quant=args.quant,
-        openai=parse_address(args.openai) if args.openai else None,
+        openai=openai_api.settings_from_args(args),
     )
 
 
