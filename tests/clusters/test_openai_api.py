@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from netns import wait_for
@@ -100,6 +101,37 @@ def _plan_active(state_dir: Path) -> bool:
     return bool(stages) and all(units.get(s["peer"]) == s["units"] for s in stages)
 
 
+def _settled(dirs: list[Path]) -> tuple[int, float] | None:
+    """(plan id, time of the leader's latest report) once the leader has measured every peer,
+    no change waits to settle and every peer sees that plan loaded; None before."""
+    statuses = [_status(d) or {} for d in dirs]
+    leader = next((s for s in statuses if s.get("role") == "leader"), None)
+    if leader is None or leader["replan_pending"] or len(leader["peers"]) < len(dirs):
+        return None
+    plans = {(s.get("plan") or {}).get("id") for s in statuses}
+    if not all(p.get("flops") for p in leader["peers"]) or len(plans) != 1:
+        return None
+    if not all(_plan_active(d) for d in dirs):
+        return None
+    reports = [e["t"] for entries in leader["history"].values() for e in entries]
+    return plans.pop(), max(reports, default=0.0)
+
+
+def _settled_plan(dirs: list[Path]):
+    """A condition: the settled plan's id, once it held over two of the leader's reports (a
+    report can land just before the leader notices the change it brings)."""
+    first: dict[str, Any] = {}
+
+    def condition() -> int | None:
+        now = _settled(dirs)
+        if now is None or first.get("plan") != now[0]:
+            first.update(plan=now and now[0], at=now and now[1])
+            return None
+        return now[0] if now[1] > first["at"] else None
+
+    return condition
+
+
 def _limit_files(limits: tuple[int, int]):
     return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limits)
 
@@ -139,7 +171,8 @@ def cluster(hf_checkpoint, tmp_path_factory):
                      "--openai", str(port),
                      "--openai-cors", ALLOWED_ORIGIN, "--openai-key-file", str(key_file),
                      preexec_fn=_limit_files(FILE_LIMITS)) as endpoint:
-            wait_for(lambda: _plan_active(dirs[1]), READY_S, "peer1 to see the plan loaded")
+            # The first plan may predate peer1's figures; the next follows 10 s later.
+            wait_for(_settled_plan(dirs), READY_S, "a plan made with both peers, loaded")
             yield Cluster(model_dir, dirs, [head.pid, endpoint.pid], "127.0.0.1", port)
 
 
