@@ -79,7 +79,8 @@ async def running_ring(manifest, unit_dir, limits: Limits, max_positions: int = 
         peer.add_plane("1.1", manifest)
         peer.chat.head_peer = "a"
     peers[0].answers.use(peers[0].plane)
-    peers[0].chat.head = Head(peers[0].answers, None, frozenset(), max_positions)
+    peers[0].chat.head = Head(peers[0].answers, None, frozenset(), max_positions,
+                              manifest.model.vocab_size)
     await asyncio.gather(
         *(answered(p.transport, o.id) for p in peers for o in peers if o is not p)
     )

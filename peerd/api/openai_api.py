@@ -5,31 +5,124 @@ existing OpenAI clients and web UIs can use the cluster. Every answer goes throu
 API's `chat` op (peerd/inference/serving.py), so it works on any peer: the head answers, any other
 peer forwards to it. Requests map onto that op: `messages` (chat template) or `prompt` (plain text,
 or token ids), `max_completion_tokens`/`max_tokens`, `temperature`, `top_p`, `seed` and the
-extension `top_k`; `n` must be 1; other fields (`stop`, penalties, `logprobs`, tools...) are
-ignored. Each choice carries the extension field `token_ids`. There is no authentication.
+extension `top_k`; `n` must be 1; `model`, where given, must be the served model's id; other
+fields (`stop`, penalties, `logprobs`, tools...) are ignored. Each choice carries the extension
+field `token_ids`. The chat op's error kinds become OpenAI's status codes (`api_error`). The
+HTTP itself (connection cap, CORS, key, body limits) is peerd/api/http_service.py.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import ipaddress
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from peerd.api.http_server import HttpError, HttpRequest, HttpServer, Responder
+from aiohttp import web
+
+from peerd.api.http_service import ApiError, Cors, EventStream, HttpService, read_json
 from peerd.api.local_api import Op
 from peerd.control.deploy import Deployment
-from peerd.errors import PeerdError
+from peerd.errors import ErrorKind, PeerdError
 from peerd.inference.serving import parse_chat
 
 log = logging.getLogger("peerd.openai")
 
 DEFAULT_HOST = "127.0.0.1"
+DEFAULT_MAX_CONNECTIONS = 256
+IDLE_TIMEOUT_S = 30.0  # an idle keep-alive connection is closed after this long
+KEEPALIVE_S = 5.0  # a stream with no token for this long gets a comment (a long prefill)
+RETRY_AFTER_S = 1  # told to a client turned away busy
 # OpenAI's default is "until the context is full"; the chat op needs a number.
 DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Where and how the endpoint serves."""
+
+    host: str = DEFAULT_HOST
+    port: int = 0
+    cors: tuple[str, ...] = ()  # origins whose pages may call it ("*": any)
+    key: str | None = None  # the bearer key every request must carry, if any
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    idle_timeout_s: float = IDLE_TIMEOUT_S
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings | None:
+    """`peerd start`'s --openai* options; None when --openai is not given."""
+    if not args.openai:
+        given = [flag for flag, value in (
+            ("--openai-cors", args.openai_cors), ("--openai-key-file", args.openai_key_file),
+            ("--openai-max-connections", args.openai_max_connections is not None)) if value]
+        if given:
+            raise PeerdError(f"{given[0]} needs --openai [HOST:]PORT")
+        return None
+    max_connections = args.openai_max_connections
+    if max_connections is None:
+        max_connections = DEFAULT_MAX_CONNECTIONS
+    elif max_connections < 1:
+        raise PeerdError(f"--openai-max-connections {max_connections} must be at least 1")
+    return Settings(
+        *parse_address(args.openai),
+        cors=tuple(parse_origin(o) for o in args.openai_cors),
+        key=read_key(Path(args.openai_key_file)) if args.openai_key_file else None,
+        max_connections=max_connections,
+    )
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """`--openai`'s HOST:PORT (``[v6]:PORT`` for IPv6), or PORT alone for 127.0.0.1:PORT."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]") if sep else DEFAULT_HOST
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise PeerdError(f"--openai {text!r} is not [HOST:]PORT")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise PeerdError(f"--openai {text!r}: the host must be an IP address") from None
+    return host, int(port)
+
+
+def parse_origin(text: str) -> str:
+    """An --openai-cors origin: SCHEME://HOST[:PORT] as a browser sends it, or "*"."""
+    if text == "*":
+        return text
+    try:
+        parts = urlsplit(text.rstrip("/"))
+        parts.port  # noqa: B018 (raises on a bad port)
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or (
+        parts.path or parts.query or parts.fragment or "@" in parts.netloc
+    ):
+        raise PeerdError(f"--openai-cors {text!r} is not an origin such as "
+                         "http://localhost:3000 (or *)")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def read_key(path: Path) -> str:
+    """The key in --openai-key-file: its one line, without surrounding whitespace."""
+    try:
+        key = path.read_text().strip()
+    except FileNotFoundError:
+        raise PeerdError(f"--openai-key-file {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise PeerdError(f"--openai-key-file {path}: cannot read it: {reason}") from None
+    if not key:
+        raise PeerdError(f"--openai-key-file {path} is empty: put the key in it")
+    if not (key.isascii() and key.isprintable()) or any(c.isspace() for c in key):
+        raise PeerdError(f"--openai-key-file {path}: the key must be one word of printable "
+                         "ASCII")
+    return key
 
 
 @dataclass(frozen=True)
@@ -46,17 +139,22 @@ def served_model(deployment: Deployment) -> ServedModel | None:
     return ServedModel(plan.model, frozenset(manifest.model.eos_token_ids))
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    """`--openai`'s HOST:PORT (``[v6]:PORT`` for IPv6), or PORT alone for 127.0.0.1:PORT."""
-    host, sep, port = text.rpartition(":")
-    host = host.strip("[]") if sep else DEFAULT_HOST
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise PeerdError(f"--openai {text!r} is not [HOST:]PORT")
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        raise PeerdError(f"--openai {text!r}: the host must be an IP address") from None
-    return host, int(port)
+# The status and OpenAI code of each kind of error the chat op raises.
+_STATUS = {
+    ErrorKind.INVALID_REQUEST: (400, "invalid_request"),
+    ErrorKind.NO_TOKENIZER: (400, "no_tokenizer"),
+    ErrorKind.PROMPT_TOO_LONG: (400, "context_length_exceeded"),
+    ErrorKind.BUSY: (429, "rate_limit_exceeded"),
+    ErrorKind.UNAVAILABLE: (503, "unavailable"),
+    ErrorKind.FAILED: (503, "cluster_error"),
+}
+
+
+def api_error(exc: PeerdError) -> ApiError:
+    """The HTTP answer to an error of the chat op, by its kind."""
+    status, code = _STATUS[exc.kind]
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    return ApiError(status, str(exc), code, headers=headers)
 
 
 @dataclass(frozen=True)
@@ -91,14 +189,14 @@ class Ask:
     chat: dict[str, Any]  # the chat op's request, less "op"
     stream: bool
     include_usage: bool
-    model: str  # as the client named it
+    model: str | None  # as the client named it
 
 
 def chat_ask(body: Any) -> Ask:
     body = _object(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise HttpError(400, '"messages" must be a non-empty list', "invalid_messages")
+        raise ApiError(400, '"messages" must be a non-empty list', "invalid_messages", "messages")
     return _ask(CHAT, body, {"messages": [_message(m) for m in messages]})
 
 
@@ -109,25 +207,26 @@ def text_ask(body: Any) -> Ask:
 
 def _object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
-        raise HttpError(400, "the request body must be a JSON object", "invalid_request")
+        raise ApiError(400, "the request body must be a JSON object", "invalid_request")
     return body
 
 
 def _message(message: Any) -> dict[str, str]:
     if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
-        raise HttpError(400, 'each message needs a string "role"', "invalid_messages")
+        raise ApiError(400, 'each message needs a string "role"', "invalid_messages", "messages")
     content = message.get("content")
     if isinstance(content, list):
         content = "".join(_text_part(part) for part in content)
     if not isinstance(content, str):
-        raise HttpError(400, 'each message needs text "content"', "invalid_messages")
+        raise ApiError(400, 'each message needs text "content"', "invalid_messages", "messages")
     return {"role": message["role"], "content": content}
 
 
 def _text_part(part: Any) -> str:
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
         return part["text"]
-    raise HttpError(400, "only text content parts are supported", "unsupported_content")
+    raise ApiError(400, "only text content parts are supported", "unsupported_content",
+                   "messages")
 
 
 def _prompt(prompt: Any) -> dict[str, Any]:
@@ -137,16 +236,16 @@ def _prompt(prompt: Any) -> dict[str, Any]:
         return {"prompt": prompt}
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return {"prompt_ids": prompt}
-    raise HttpError(400, '"prompt" must be a string or a list of token ids, one prompt per '
-                    "request", "invalid_prompt")
+    raise ApiError(400, '"prompt" must be a string or a list of token ids, one prompt per '
+                   "request", "invalid_prompt", "prompt")
 
 
 def _ask(flavour: Flavour, body: dict[str, Any], prompt: dict[str, Any]) -> Ask:
     if _given(body, "n", 1) != 1:
-        raise HttpError(400, '"n" must be 1: one answer per request', "unsupported_n")
+        raise ApiError(400, '"n" must be 1: one answer per request', "unsupported_n", "n")
     stream = _given(body, "stream", False)
     if not isinstance(stream, bool):
-        raise HttpError(400, '"stream" must be true or false', "invalid_request")
+        raise ApiError(400, '"stream" must be true or false', "invalid_request", "stream")
     options = _given(body, "stream_options", {})
     chat = {
         **prompt,
@@ -160,9 +259,12 @@ def _ask(flavour: Flavour, body: dict[str, Any], prompt: dict[str, Any]) -> Ask:
     try:
         parse_chat(chat)
     except PeerdError as exc:
-        raise HttpError(400, str(exc), "invalid_request") from None
+        raise api_error(exc) from None
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
-    return Ask(flavour, chat, stream, include_usage, str(body.get("model") or ""))
+    model = body.get("model")
+    if not isinstance(model, str | None):
+        raise ApiError(400, '"model" must be a string', "invalid_request", "model")
+    return Ask(flavour, chat, stream, include_usage, model)
 
 
 def _given(body: dict[str, Any], key: str, default: Any) -> Any:
@@ -172,86 +274,128 @@ def _given(body: dict[str, Any], key: str, default: Any) -> Any:
 
 
 class OpenAiApi:
-    def __init__(self, chat: Op, model: Callable[[], ServedModel | None]) -> None:
+    def __init__(self, chat: Op, model: Callable[[], ServedModel | None], settings: Settings,
+                 keepalive_s: float = KEEPALIVE_S) -> None:
         self._chat = chat
         self._model = model
-        self._http = HttpServer(self._route)
-        self._routes: dict[tuple[str, str], Callable[[HttpRequest, Responder], Awaitable]] = {
+        self.settings = settings
+        self._keepalive_s = keepalive_s
+        self.port: int | None = None  # bound, once started
+        self._http = HttpService(
+            self._route, cors=Cors(settings.cors), key=settings.key,
+            max_connections=settings.max_connections, idle_timeout_s=settings.idle_timeout_s,
+        )
+        self._routes: dict[tuple[str, str], Callable[[web.BaseRequest], Awaitable]] = {
             ("GET", "/v1/models"): self._models,
-            ("POST", "/v1/chat/completions"): lambda r, o: self._complete(chat_ask(r.json()), o),
-            ("POST", "/v1/completions"): lambda r, o: self._complete(text_ask(r.json()), o),
+            ("POST", "/v1/chat/completions"): lambda r: self._complete(r, chat_ask),
+            ("POST", "/v1/completions"): lambda r: self._complete(r, text_ask),
         }
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on host:port; the port bound."""
+    async def start(self) -> int:
+        """Listen where the settings say; the port bound."""
+        host, port = self.settings.host, self.settings.port
         try:
             port = await self._http.start(host, port)
         except OSError as exc:
             raise PeerdError(f"--openai: cannot listen on {host}:{port}: {exc.strerror}") from None
+        self.port = port
         shown = f"[{host}]" if ":" in host else host
-        log.info("OpenAI-compatible endpoint on http://%s:%d/v1", shown, port)
-        if not ipaddress.ip_address(host).is_loopback:
+        log.info("OpenAI-compatible endpoint on http://%s:%d/v1 (at most %d connections%s)",
+                 shown, port, self.settings.max_connections,
+                 "; API key required" if self.settings.key else "")
+        if self.settings.key is None and not ipaddress.ip_address(host).is_loopback:
             log.warning("the OpenAI-compatible endpoint on %s has no authentication: anyone "
-                        "who can reach it can use the cluster", shown)
+                        "who can reach it can use the cluster (--openai-key-file)", shown)
         return port
 
     async def close(self) -> None:
         await self._http.close()
 
-    async def _route(self, request: HttpRequest, respond: Responder) -> None:
+    def status(self) -> dict[str, int]:
+        """Its connections: open now, accepted and refused (over the cap) since the start."""
+        return self._http.status()
+
+    async def _route(self, request: web.BaseRequest) -> web.StreamResponse:
         handler = self._routes.get((request.method, request.path))
         if handler is not None:
-            await handler(request, respond)
-        elif any(path == request.path for _, path in self._routes):
-            raise HttpError(405, f"{request.method} is not allowed on {request.path}",
-                            "method_not_allowed")
-        else:
-            raise HttpError(404, f"no such endpoint: {request.method} {request.path}",
-                            "not_found")
+            return await handler(request)
+        if any(path == request.path for _, path in self._routes):
+            raise ApiError(405, f"{request.method} is not allowed on {request.path}",
+                           "method_not_allowed")
+        raise ApiError(404, f"no such endpoint: {request.method} {request.path}", "not_found")
 
-    async def _models(self, request: HttpRequest, respond: Responder) -> None:
+    async def _models(self, request: web.BaseRequest) -> web.StreamResponse:
         served = self._model()
         models = [] if served is None else [
             {"id": served.name, "object": "model", "created": 0, "owned_by": "peerd"}
         ]
-        await respond.json(200, {"object": "list", "data": models})
+        return web.json_response({"object": "list", "data": models})
 
-    async def _complete(self, ask: Ask, respond: Responder) -> None:
+    async def _complete(self, request: web.BaseRequest,
+                        parse: Callable[[Any], Ask]) -> web.StreamResponse:
+        ask = parse(await read_json(request))
         served = self._model()
+        if served is not None and ask.model is not None and ask.model != served.name:
+            raise ApiError(404, f"the model {ask.model!r} does not exist: this cluster serves "
+                           f"{served.name!r}", "model_not_found", "model")
         header = {"id": f"{ask.flavour.prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
                   "model": served.name if served else ask.model}
         eos_ids = served.eos_ids if served else frozenset()
         if ask.stream:
-            await self._stream(ask, header, eos_ids, respond)
-            return
-        done = await self._answer(ask.chat)
+            return await self._stream(request, ask, header, eos_ids)
+        try:
+            done = await self._answer(ask.chat)
+        except PeerdError as exc:
+            raise api_error(exc) from None
         choice = {"index": 0, **ask.flavour.whole(done["text"]), "logprobs": None,
                   "finish_reason": _finish_reason(done, ask, eos_ids),
                   "token_ids": done["token_ids"]}
-        await respond.json(200, {**header, "object": ask.flavour.object, "choices": [choice],
-                                 "usage": _usage(done)})
+        return web.json_response({**header, "object": ask.flavour.object, "choices": [choice],
+                                  "usage": _usage(done)})
 
-    async def _stream(self, ask: Ask, header: dict[str, Any], eos_ids: frozenset[int],
-                      respond: Responder) -> None:
+    async def _stream(self, request: web.BaseRequest, ask: Ask, header: dict[str, Any],
+                      eos_ids: frozenset[int]) -> web.StreamResponse:
         def chunk(choice: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
             return {**header, "object": ask.flavour.chunk_object, "choices": [
                 {"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason}
             ]}
 
-        async def on_token(event: dict[str, Any]) -> None:
-            if not respond.streaming and ask.flavour.opening is not None:
-                await respond.event(chunk(ask.flavour.opening))
-            await respond.event(chunk({**ask.flavour.piece(event["text"]),
-                                       "token_ids": [event["token"]]}))
-
-        # The status line waits for the first token, so a cluster that cannot answer at
-        # all gets an error status rather than an event stream holding only an error.
-        done = await self._answer(ask.chat, on_token)
-        await respond.event(chunk(ask.flavour.piece(""), _finish_reason(done, ask, eos_ids)))
+        stream = EventStream(request, self._http.cors.headers(request))
+        tokens: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        answer = asyncio.create_task(self._answer(ask.chat, tokens.put))
+        answer.add_done_callback(lambda _: tokens.put_nowait(None))
+        try:
+            # The status line waits for the first token (or the first keep-alive), so a
+            # cluster that cannot answer gets an error status rather than a stream of one error.
+            while (event := await self._next_token(tokens, stream)) is not None:
+                if not stream.open and ask.flavour.opening is not None:
+                    await stream.event(chunk(ask.flavour.opening))
+                await stream.event(chunk({**ask.flavour.piece(event["text"]),
+                                          "token_ids": [event["token"]]}))
+            done = answer.result()
+        except PeerdError as exc:
+            if not stream.open:
+                raise api_error(exc) from None
+            await stream.event(api_error(exc).document())
+            return stream.response
+        finally:
+            answer.cancel()
+        await stream.event(chunk(ask.flavour.piece(""), _finish_reason(done, ask, eos_ids)))
         if ask.include_usage:
-            await respond.event({**header, "object": ask.flavour.chunk_object, "choices": [],
-                                 "usage": _usage(done)})
-        await respond.event("[DONE]")
+            await stream.event({**header, "object": ask.flavour.chunk_object, "choices": [],
+                                "usage": _usage(done)})
+        await stream.event("[DONE]")
+        return stream.response
+
+    async def _next_token(self, tokens: asyncio.Queue, stream: EventStream) -> Any:
+        """The next token event (None once the answer ended), keeping the stream alive with a
+        comment every `keepalive_s` without one: a long prompt's prefill, a full line."""
+        while True:
+            try:
+                async with asyncio.timeout(self._keepalive_s):
+                    return await tokens.get()
+            except TimeoutError:
+                await stream.comment("keep-alive")
 
     async def _answer(
         self, chat: dict[str, Any],
@@ -262,17 +406,14 @@ class OpenAiApi:
 
         async def send(event: dict[str, Any]) -> None:
             if event.get("ok") is False:  # an error relayed from the head
-                raise HttpError(503, event.get("error", "the cluster could not answer"),
-                                "cluster_error")
+                raise PeerdError(event.get("error", "the cluster could not answer"),
+                                 ErrorKind.parse(event.get("kind")))
             if event.get("event") == "token" and on_token is not None:
                 await on_token(event)
             elif event.get("event") == "done":
                 done.update(event)
 
-        try:
-            await self._chat({"op": "chat", **chat}, send)
-        except PeerdError as exc:
-            raise HttpError(503, str(exc), "cluster_error") from None
+        await self._chat({"op": "chat", **chat}, send)
         return done
 
 

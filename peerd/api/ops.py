@@ -11,6 +11,7 @@ from typing import Any
 
 from peerd.api import status
 from peerd.api.local_api import EventBus, Op, Send
+from peerd.api.openai_api import OpenAiApi
 from peerd.cluster.measuring import Measuring
 from peerd.cluster.peers import ClusterView
 from peerd.control.plans import Plans
@@ -26,6 +27,7 @@ class Rooms:
     measuring: Measuring
     plans: Plans
     serving: Serving
+    openai: OpenAiApi | None
 
 
 def status_document(me: status.SelfInfo, counters: status.Counters,
@@ -42,6 +44,7 @@ def status_document(me: status.SelfInfo, counters: status.Counters,
     document["replan_pending"] = plans.replan_pending
     document["dataplane"] = rooms.serving.status()
     document["torch_imported"] = "torch" in sys.modules
+    document["openai"] = rooms.openai.status() if rooms.openai is not None else None
     return document
 
 

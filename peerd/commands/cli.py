@@ -118,7 +118,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--openai", metavar="[HOST:]PORT",
         help="serve an OpenAI-compatible HTTP API there (off by default; PORT alone means "
-        "127.0.0.1:PORT; it has no authentication)",
+        "127.0.0.1:PORT; no key unless --openai-key-file)",
+    )
+    p.add_argument(
+        "--openai-cors", action="append", default=[], metavar="ORIGIN",
+        help="let web pages from ORIGIN (e.g. http://localhost:3000, or *) call the OpenAI "
+        "endpoint from the browser (repeatable; none by default)",
+    )
+    p.add_argument(
+        "--openai-key-file", metavar="FILE",
+        help="require 'Authorization: Bearer KEY' on the OpenAI endpoint, KEY the one line "
+        "in FILE",
+    )
+    p.add_argument(
+        "--openai-max-connections", type=int, metavar="N",
+        help="open connections the OpenAI endpoint accepts at once; more are answered 503 "
+        "(default 256)",
     )
     p.add_argument(
         "--fp16-wire", action="store_true",

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from peerd import statedir
-from peerd.api import ops, status
+from peerd.api import openai_api, ops, status
 from peerd.api.local_api import EventBus, LocalApi
 from peerd.api.openai_api import OpenAiApi, served_model
 from peerd.api.plan_events import plan_events
@@ -32,6 +32,7 @@ from peerd.cluster.monitor import Monitor, on_mains
 from peerd.cluster.peers import ClusterView, Handler
 from peerd.cluster.records import PeerRecord
 from peerd.control.plans import Plans
+from peerd.daemon.limits import raise_file_limit
 from peerd.daemon.sd_notify import Notifier
 from peerd.errors import PeerdError
 from peerd.inference.serving import Serving
@@ -64,7 +65,7 @@ class Options:
     fp16_wire: bool = False
     rebalance: bool = True  # as leader, move work when load or battery change
     objective: str = "throughput"  # what this peer's plans optimise while it leads
-    openai: tuple[str, int] | None = None  # where the OpenAI-compatible endpoint listens
+    openai: openai_api.Settings | None = None  # the OpenAI-compatible endpoint, if served
 
 
 class Daemon:
@@ -115,6 +116,7 @@ class Daemon:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.stop)
         self.notifier = Notifier.from_environment()
+        raise_file_limit()
         try:
             ports = self.transport.start()
         except TransportError as exc:
@@ -126,7 +128,8 @@ class Daemon:
         )
         self.api = LocalApi(statedir.socket_path(self.options.state_dir), self.ops.table())
         self.openai = (
-            OpenAiApi(self.ops.chat, lambda: served_model(self.plans.deployment))
+            OpenAiApi(self.ops.chat, lambda: served_model(self.plans.deployment),
+                      self.options.openai)
             if self.options.openai else None
         )
         self.discovery = MdnsDiscovery(
@@ -136,7 +139,7 @@ class Daemon:
         try:
             await self.api.start()
             if self.openai is not None:
-                await self.openai.start(*self.options.openai)
+                await self.openai.start()
             await self.discovery.start()
             self._start_loops()
             log.info("peerd %s (%s) started: hello %d, control %d, data %d, instance %s",
@@ -240,7 +243,7 @@ class Daemon:
             refused_handshakes=self.transport.zap.denied,
             malformed_messages=self.transport.malformed,
         )
-        rooms = ops.Rooms(self.cluster, self.measuring, self.plans, self.serving)
+        rooms = ops.Rooms(self.cluster, self.measuring, self.plans, self.serving, self.openai)
         return ops.status_document(me, counters, rooms)
 
 

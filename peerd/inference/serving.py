@@ -143,6 +143,7 @@ class Head:
     tokenizer: Tokenizer | None
     stop_ids: frozenset[int]
     max_positions: int
+    vocab_size: int  # token ids are in [0, vocab_size)
     model_key: str = ""
 
 
@@ -204,6 +205,7 @@ class ChatService:
     def _prompt_ids(self, head: Head, body: ChatBody) -> list[int]:
         if body.prompt_ids is not None:
             prompt = body.prompt_ids
+            _check_vocabulary(prompt, head.vocab_size)
         elif head.tokenizer is None:
             raise PeerdError("this model has no tokenizer: send prompt_ids", ErrorKind.NO_TOKENIZER)
         elif body.prompt is not None:
@@ -341,6 +343,14 @@ class ChatService:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _check_vocabulary(prompt: list[int], vocab_size: int) -> None:
+    """Refuse ids the model has no embedding for, before they reach any peer."""
+    outside = [token for token in prompt if token >= vocab_size]
+    if outside:
+        raise invalid(f"token id {outside[0]} is outside the model's vocabulary: ids are 0 to "
+                      f"{vocab_size - 1} (vocabulary size {vocab_size})")
+
+
 def _stats(answered: Answered, prompt_tokens: int, started: float, times: list[float]) -> dict:
     decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
     stages = [
@@ -436,7 +446,7 @@ class Serving:
     def _head(self, manifest: Manifest) -> Head:
         model = manifest.model
         return Head(self.answers, self._load_tokenizer(), frozenset(model.eos_token_ids),
-                    model.max_positions, manifest.key)
+                    model.max_positions, model.vocab_size, manifest.key)
 
     def _load_tokenizer(self) -> Tokenizer | None:
         if self.model_dir is None:

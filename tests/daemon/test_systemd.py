@@ -87,10 +87,15 @@ def test_the_units_pass_systemd_analyze_verify(tmp_path, unit, scope):
 
 
 @needs_systemd_analyze
-def test_verify_reports_a_broken_unit(tmp_path):
+@pytest.mark.parametrize(
+    "setting, broken, reported",
+    [("ProtectSystem=", "ProtectSystems=", "ProtectSystems"),
+     ("LimitNOFILE=65536", "LimitNOFILE=lots", "lots")],
+)
+def test_verify_reports_a_broken_unit(tmp_path, setting, broken, reported):
     copy = installed_copy(SYSTEM_UNIT, tmp_path / "units")
-    copy.write_text(copy.read_text().replace("ProtectSystem=", "ProtectSystems="))
-    assert any("ProtectSystems" in line for line in verify_problems(copy, tmp_path))
+    copy.write_text(copy.read_text().replace(setting, broken))
+    assert any(reported in line for line in verify_problems(copy, tmp_path))
 
 
 @needs_systemd_analyze
@@ -108,6 +113,13 @@ def test_both_units_wait_for_readiness_and_keep_the_watchdog():
         lines = set(unit.read_text().splitlines())
         assert {"Type=notify", "NotifyAccess=main", "Restart=on-failure"} <= lines, unit
         assert any(line.startswith("WatchdogSec=") for line in lines), unit
+
+
+def test_both_units_raise_the_open_file_limit():
+    """systemd's default soft limit, 1024, is less than the HTTP connection cap plus the
+    daemon's own sockets need; the verify tests above check that systemd accepts the value."""
+    for unit in (SYSTEM_UNIT, USER_UNIT):
+        assert "LimitNOFILE=65536" in unit.read_text().splitlines(), unit
 
 
 # -- sd_notify ---------------------------------------------------------------------------------
