@@ -296,7 +296,8 @@ class _Connection(web.RequestHandler):
             super().connection_made(transport)
             return
         # Over the cap: never a handler, so the descriptor is free again at once.
-        transport.write(_OVER_CAP)
+        if isinstance(transport, asyncio.WriteTransport):
+            transport.write(_OVER_CAP)
         transport.close()
 
     def handle_error(self, request: web.BaseRequest, status: int = 500,

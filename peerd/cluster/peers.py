@@ -108,6 +108,10 @@ class ClusterView:
 
     def hello(self, incoming: Incoming) -> None:
         """A static peer introduces itself: learn its record, answer with ours."""
+        if not isinstance(incoming.msg, protocol.Hello):
+            log.warning("refused a %s on the hello socket from %s", incoming.msg.KIND,
+                        incoming.peer_address)
+            return
         try:
             record = verify(incoming.msg.record, self.secret)
         except RecordError as exc:

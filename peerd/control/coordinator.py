@@ -95,6 +95,14 @@ class _PlanInputs:
     model_key: str | None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Served:
+    """A model ready to plan: its status and its manifest."""
+
+    model: ModelStatus
+    manifest: Manifest
+
+
 class Coordinator:
     def __init__(
         self,
@@ -143,7 +151,7 @@ class Coordinator:
         if inputs == self._inputs:
             self._pending = None  # a change that went away again
             if self.deployed and self.policy is not None:
-                await self._rebalance(epoch, report)
+                await self._rebalance(epoch, report, self.policy)
             elif self.plan is not None and not self.plan.stages and inputs.model_key:
                 await self._retry(epoch, report)
         elif self._replan_now(inputs):
@@ -182,10 +190,13 @@ class Coordinator:
         self.policy = policy
         self._rebalancing = rebalance.State()
 
-    async def _rebalance(self, epoch: int, report: ClusterReport) -> None:
+    async def _rebalance(self, epoch: int, report: ClusterReport,
+                         policy: rebalance.Policy) -> None:
         """Score the deployed plan with fresh figures; move work when the policy says so."""
-        policy = self.policy
-        look = await self._look(report)
+        served, deployed = self._served(), self.plan
+        if served is None or deployed is None:
+            return
+        look = await self._look(report, served, deployed)
         if look is None or self.policy is not policy:
             return  # switched off or on while looking: the next round judges
         before = self._rebalancing
@@ -193,20 +204,21 @@ class Coordinator:
         if decision is None:
             _log_waiting(before, self._rebalancing, look[0], policy)
             return
-        assignment = self._assignment(epoch, look[1] if decision.full else look[2])
+        assignment = self._assignment(epoch, look[1] if decision.full else look[2], served)
         log.info("rebalancing (%s): %s", "full plan" if decision.full else "boundaries",
                  decision.reason)
         gain = decision.gain if math.isfinite(decision.gain) else None
         self._adopt(assignment, f"rebalance: {decision.reason}",
                     PlanRebalance(decision.reason, gain, decision.full))
 
-    async def _look(self, report: ClusterReport) -> tuple[rebalance.Look, pm.Plan, pm.Plan] | None:
+    async def _look(self, report: ClusterReport, served: _Served, deployed: PlanAssignment
+                    ) -> tuple[rebalance.Look, pm.Plan, pm.Plan] | None:
         """The policy's view of this round, with the best plan and the best boundary move."""
-        manifest = self.model.manifest
-        workload = workload_from_manifest(manifest)
-        current = tuple(pm.Stage(s.peer, s.first, s.last + 1) for s in self.plan.stages)
+        workload = workload_from_manifest(served.manifest)
+        current = tuple(pm.Stage(s.peer, s.first, s.last + 1) for s in deployed.stages)
         try:
-            cluster = cluster_from_report(report, self.model.peer, context_for(manifest))
+            cluster = cluster_from_report(report, served.model.peer,
+                                          context_for(served.manifest))
             best = await solve_plan(cluster, workload, self.objective, self.solver)
         except PlannerError:
             return None  # nothing better exists; a broken plan is re-planned as peers leave
@@ -295,7 +307,7 @@ class Coordinator:
         except TransportError as exc:  # it answered the measurement: keep what it said last
             log.info("no manifest from %s: %s", peer, exc)
             return known
-        if offer.state != ModelState.READY:
+        if offer.state != ModelState.READY or offer.key is None:
             return ModelStatus(peer, offer.model, ModelState(offer.state), offer.detail)
         manifest = self._manifests.get(offer.key)
         if offer.manifest is not None:
@@ -322,21 +334,26 @@ class Coordinator:
             sharding = model.state == ModelState.SHARDING
             what = "is sharding" if sharding else f"failed: {model.detail}"
             return self._problem(epoch, plan_id, f"model {model.name} on peer {model.peer} {what}")
-        manifest = model.manifest
+        served = _Served(model, model.manifest)
         try:
-            cluster = cluster_from_report(report, model.peer, context_for(manifest))
-            plan = await solve_plan(cluster, workload_from_manifest(manifest), self.objective,
-                                    self.solver)
+            cluster = cluster_from_report(report, model.peer, context_for(served.manifest))
+            plan = await solve_plan(cluster, workload_from_manifest(served.manifest),
+                                    self.objective, self.solver)
         except PlannerError as exc:
             return self._problem(epoch, plan_id, str(exc))
-        return self._assignment(epoch, plan, plan_id)
+        return self._assignment(epoch, plan, served, plan_id)
 
-    def _assignment(self, epoch: int, plan: pm.Plan, plan_id: int | None = None
-                    ) -> PlanAssignment:
+    def _served(self) -> _Served | None:
+        model = self.model
+        if model is None or model.manifest is None:
+            return None
+        return _Served(model, model.manifest)
+
+    def _assignment(self, epoch: int, plan: pm.Plan, served: _Served,
+                    plan_id: int | None = None) -> PlanAssignment:
         """The plan as the members get it."""
         plan_id = next(self._plan_ids) if plan_id is None else plan_id
-        model = self.model
-        manifest = model.manifest
+        model, manifest = served.model, served.manifest
         stages = tuple(PlanStage(s.peer, s.start, s.stop - 1) for s in plan.stages)
         log.info("plan %d (%s, %s): %s; predicted %.1f tokens/s", plan_id, plan.objective,
                  plan.solver, ", ".join(f"{s.peer} {s.first}-{s.last}" for s in stages),

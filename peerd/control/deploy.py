@@ -138,8 +138,10 @@ class Deployment:
             if stage is None:
                 self.loaded = None
                 self._set(DeployState.READY, detail=plan.problem or "no stage in this plan")
+            elif self.manifest is None or plan.model_peer is None:
+                raise ValueError("the plan gives this peer a stage but no manifest or model peer")
             else:
-                await self._deploy_stage(plan, stage, self.manifest)
+                await self._deploy_stage(plan, stage, self.manifest, plan.model_peer)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any failure is reported to the leader, who asks again
@@ -147,7 +149,7 @@ class Deployment:
             self._set(DeployState.FAILED, detail=str(exc) or type(exc).__name__)
 
     async def _deploy_stage(
-        self, plan: PlanAssignment, stage: PlanStage, manifest: Manifest
+        self, plan: PlanAssignment, stage: PlanStage, manifest: Manifest, model_peer: str
     ) -> None:
         loaded = self.loaded
         if loaded and (loaded.manifest.key, loaded.first, loaded.last) == (
@@ -156,7 +158,7 @@ class Deployment:
             self._set(DeployState.READY, detail="units already loaded")
             return
         units = manifest.units[stage.first : stage.last + 1]
-        paths = await self._unit_paths(plan.model_peer, units)
+        paths = await self._unit_paths(model_peer, units)
         self._set(DeployState.LOADING, detail=f"loading units {_range(stage)}")
         self.loaded = None  # free the old stage's memory before loading the new one
         executor = await asyncio.to_thread(

@@ -77,5 +77,5 @@ class PlanWatch:
         return (
             stage is not None
             and (loaded.first, loaded.last) == (stage.first, stage.last)
-            and loaded.manifest.key == plan.manifest.get("key")
+            and loaded.manifest.key == (plan.manifest or {}).get("key")
         )

@@ -169,11 +169,11 @@ class Plans:
         if model is None and host is not None:
             model = ModelStatus(self.cluster.me, host.name, host.state, host.detail,
                                 host.manifest)
-        if model is None and plan is not None and plan.model is not None:
+        if model is None and plan is not None and plan.model and plan.model_peer:
             manifest = self.deployment.manifest
             state = ModelState.READY if manifest else ModelState.UNKNOWN
             model = ModelStatus(plan.model_peer, plan.model, state, plan.problem or "", manifest)
-        holders = [f for f in report.peers if f.model] if report else []
-        if model is None and holders:
-            model = ModelStatus(holders[0].id, holders[0].model, ModelState.UNKNOWN, "")
+        holder = next((f for f in report.peers if f.model), None) if report else None
+        if model is None and holder is not None and holder.model:
+            model = ModelStatus(holder.id, holder.model, ModelState.UNKNOWN, "")
         return model.document() if model else None

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import secrets
 import signal
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -236,7 +236,7 @@ class Daemon:
             instance=self.instance,
             cluster=self.secret.cluster_id,
             address=advertised_addresses(self.options.interface)[0],
-            ports=dataclasses.asdict(self.transport.ports),
+            ports=dataclasses.asdict(self.transport.ports) if self.transport.ports else {},
         )
         counters = status.Counters(
             ignored_records=self.discovery.ignored,
@@ -247,12 +247,13 @@ class Daemon:
         return ops.status_document(me, counters, rooms)
 
 
-async def _within(what: str, step, tasks: list[asyncio.Task] = ()) -> None:
+async def _within(what: str, step, tasks: Sequence[asyncio.Task] = ()) -> None:
     """One step of shutting down, given SHUTDOWN_STEP_S: a stuck step is logged (with the
     tasks still running) and passed over, so `peerd stop` always ends the process."""
     try:
         await asyncio.wait_for(step, SHUTDOWN_STEP_S)
     except TimeoutError:
-        stuck = [task.get_coro().__qualname__ for task in tasks if not task.done()]
+        stuck = [getattr(task.get_coro(), "__qualname__", task.get_name())
+                 for task in tasks if not task.done()]
         log.warning("shutdown: %s did not finish in %gs%s; going on", what, SHUTDOWN_STEP_S,
                     f" ({', '.join(stuck)})" if stuck else "")

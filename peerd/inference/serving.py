@@ -213,6 +213,7 @@ class ChatService:
             if not prompt:
                 raise invalid("the prompt encodes to no tokens")
         else:
+            assert body.messages is not None  # parse_chat: exactly one of the three
             try:
                 prompt = head.tokenizer.conversation_ids(body.messages)
             except ModelError as exc:
@@ -379,7 +380,7 @@ def plane_of(planes: dict[str, DataPlane], message: Any) -> DataPlane | None:
     if plan is not None:
         return planes.get(plan)
     seq_id = getattr(message, "seq_id", None)
-    owner = next((p for p in planes.values() if p.owns(seq_id)), None)
+    owner = next((p for p in planes.values() if seq_id is not None and p.owns(seq_id)), None)
     return owner or next(reversed(planes.values()), None)
 
 

@@ -111,5 +111,5 @@ def test_a_chunk_outside_its_file_or_of_the_wrong_type_is_refused():
     with pytest.raises(ProtocolError, match="chunk outside the file"):
         protocol.decode([msgpack.packb({**header, "offset": 5}), frames[1]])
     header["tensors"][0][1] = "int8"
-    with pytest.raises(ProtocolError, match="one 1-D uint8 tensor"):
+    with pytest.raises(ProtocolError, match="data is not 1-D uint8"):
         protocol.decode([msgpack.packb(header), frames[1]])

@@ -365,8 +365,8 @@ async def test_rebalancing_switched_off_while_the_leader_looks_is_not_a_crash(ma
     leader, first, loaded = await _deployed_then_one_stage_loaded(manifest)
     looking = leader.coordinator._look
 
-    async def look_then_switch_off(measured):
-        seen = await looking(measured)
+    async def look_then_switch_off(*args):
+        seen = await looking(*args)
         leader.coordinator.set_policy(None)
         return seen
 
