@@ -29,6 +29,8 @@ class ErrorKind(enum.StrEnum):
 class PeerdError(Exception):
     """A failure the user should read: the message is printed as one line on stderr."""
 
+    exit_code = 1  # what a command that ends with this error exits with
+
     def __init__(self, message: str, kind: ErrorKind = ErrorKind.FAILED) -> None:
         super().__init__(message)
         self.kind = kind

@@ -16,6 +16,31 @@ from typing import Any
 from peerd.errors import PeerdError
 
 SOCKET_NAME = "peerd.sock"
+EX_TEMPFAIL = 75  # sysexits.h: a temporary failure, worth trying again later
+
+
+class NoSpace(PeerdError):
+    """A write that found its filesystem full; the message names the directory. A command
+    ending with it exits with EX_TEMPFAIL, which is how a daemon tells it from a failure
+    that trying again cannot cure."""
+
+    exit_code = EX_TEMPFAIL
+
+    def __init__(self, directory: Path, writing: str) -> None:
+        super().__init__(f"no space left in {directory} ({writing})")
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether `exc`, or an exception it was raised from or during, is ENOSPC (libraries such
+    as the ONNX exporter wrap the OSError of a failed write)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def resolve(explicit: str | None = None) -> Path:
@@ -64,7 +89,7 @@ def write_secret_json(path: Path, content: dict[str, Any]) -> None:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         if exc.errno == errno.ENOSPC:
-            raise PeerdError(f"no space left in {path.parent} (writing {path.name})") from None
+            raise NoSpace(path.parent, f"writing {path.name}") from None
         raise
 
 

@@ -34,17 +34,21 @@ def shard_or_reuse(model_dir: Path, out: str | None, options: ShardOptions) -> S
     from peerd import statedir
     from peerd.errors import PeerdError
 
-    root = None if out else statedir.ensure(statedir.resolve()) / SHARDS_SUBDIR
+    target = Path(out) if out else statedir.ensure(statedir.resolve()) / SHARDS_SUBDIR
     try:
         return shard(
             model_dir,
-            Path(out) if out else None,
-            shard_root=root,
+            target if out else None,
+            shard_root=None if out else target,
             options=options,
             progress=lambda line: print(f"shard: {line}", file=sys.stderr, flush=True),
         )
     except (ModelError, ShardError, ManifestError) as exc:
         raise PeerdError(str(exc)) from None
+    except Exception as exc:
+        if statedir.is_no_space(exc):
+            raise statedir.NoSpace(target, f"sharding {model_dir.name}") from None
+        raise
 
 
 def summary(result: ShardResult) -> dict:

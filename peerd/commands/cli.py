@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(_resolve(args.handler)(args) or 0)
     except PeerdError as exc:
         print(f"peerd: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_code
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

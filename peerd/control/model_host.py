@@ -9,6 +9,10 @@ data file) is checked against the manifest's sha256 before it is served, so this
 hands out a file that would fail verification on every receiver. `--quant` of `peerd start`
 is passed on to the child: every peer runs the units this one makes, so they all run the same
 quantisation.
+
+A child that ran out of space (it exits with EX_TEMPFAIL and names the full directory) leaves
+the model failed until the shard cache's filesystem has more room than it had then; sharding
+then starts again by itself, so freeing space is all a user has to do.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from peerd import statedir
 from peerd.control.unit_store import file_sha256
 from peerd.wire.protocol import ManifestOffer
 from peerd.wire.states import ModelState
@@ -29,6 +35,9 @@ from shards.manifest import Manifest, ManifestError, Quant
 from shards.source import open_model
 
 log = logging.getLogger("peerd.control.model_host")
+
+SPACE_POLL_S = 1.0  # how often a model that failed for want of space looks for room again
+ROOM_TO_RETRY = 1 << 20  # bytes freed since that failure that are worth another try
 
 
 class ModelHost:
@@ -44,17 +53,23 @@ class ModelHost:
         self._process: asyncio.subprocess.Process | None = None
 
     async def run(self) -> None:
-        """Shard the model (or reuse an earlier result) and get ready to serve it."""
-        try:
-            directory = await self._shard()
-            self.manifest = await asyncio.to_thread(_checked_manifest, directory)
-        except ShardingFailed as exc:
-            self.state, self.detail = ModelState.FAILED, str(exc)
-            log.error("cannot serve model %s: %s", self.name, exc)
-            return
-        self.files = self.manifest.files_in(directory)
+        """Shard the model (or reuse an earlier result) and get ready to serve it; after a
+        full disk, again once there is room."""
+        while True:
+            try:
+                directory = await self._shard()
+                manifest = await asyncio.to_thread(_checked_manifest, directory)
+                break
+            except ShardingFailed as exc:
+                self.state, self.detail = ModelState.FAILED, str(exc)
+                log.error("cannot serve model %s: %s", self.name, exc)
+                if not exc.no_space:
+                    return
+            await self._until_room()
+            self.state = ModelState.SHARDING
+        self.manifest, self.files = manifest, manifest.files_in(directory)
         self.state = ModelState.READY
-        self.detail = f"{len(self.manifest.units)} units in {directory}"
+        self.detail = f"{len(manifest.units)} units in {directory}"
         log.info("model %s ready: %s", self.name, self.detail)
 
     async def _shard(self) -> Path:
@@ -69,8 +84,10 @@ class ModelHost:
         assert process.stdout is not None and process.stderr is not None  # both are pipes
         stdout, _ = await asyncio.gather(process.stdout.read(),
                                          self._follow_progress(process.stderr))
-        if await process.wait() != 0:
-            raise ShardingFailed(f"sharding failed: {self.detail}")
+        code = await process.wait()
+        if code != 0:
+            raise ShardingFailed(f"sharding failed: {self.detail}",
+                                 no_space=code == statedir.EX_TEMPFAIL)
         try:
             return Path(json.loads(stdout)["directory"])
         except (ValueError, KeyError, TypeError):
@@ -82,6 +99,13 @@ class ModelHost:
             if text:
                 self.detail = text.removeprefix("shard: ").removeprefix("peerd: ")
                 log.info("sharding %s: %s", self.name, self.detail)
+
+    async def _until_room(self) -> None:
+        """Wait until the shard cache's filesystem has gained room since the failure."""
+        free_then = _free_bytes(self._state_dir)
+        while _free_bytes(self._state_dir) < free_then + ROOM_TO_RETRY:
+            await asyncio.sleep(SPACE_POLL_S)
+        log.info("room in %s again: sharding model %s again", self._state_dir, self.name)
 
     def offer(self, req: int, have: str | None) -> ManifestOffer:
         """The answer to a manifest request; the manifest is left out when the asker has it."""
@@ -100,7 +124,16 @@ class ModelHost:
 
 
 class ShardingFailed(Exception):
-    """The model could not be sharded or its output is unusable; the message is one line."""
+    """The model could not be sharded or its output is unusable; the message is one line.
+    `no_space`: for want of disk space, so worth trying again once there is room."""
+
+    def __init__(self, message: str, no_space: bool = False) -> None:
+        super().__init__(message)
+        self.no_space = no_space
+
+
+def _free_bytes(directory: Path) -> int:
+    return shutil.disk_usage(directory).free
 
 
 def _checked_manifest(directory: Path) -> Manifest:

@@ -12,15 +12,14 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from disks import resize, tmpfs
 from netns import wait_for
 from sharding import reference
 from toy_units import ToyModel, logits_after_unit0, write_toy
@@ -36,24 +35,6 @@ from peerd.wire.protocol import PlanAssignment, PlanFigures, PlanStage, UnitChun
 from shards.manifest import UnitFile
 
 CHUNK = 64 * 1024
-
-
-@contextlib.contextmanager
-def tmpfs(directory: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of `size` mounted on `directory` (created) for the block; needs root."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root to mount a small tmpfs")
-    directory.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
-                   check=True)
-    try:
-        yield directory
-    finally:
-        subprocess.run(["umount", "-l", str(directory)], check=True)
-
-
-def resize(directory: Path, size: str) -> None:
-    subprocess.run(["mount", "-o", f"remount,size={size}", str(directory)], check=True)
 
 
 class Server:

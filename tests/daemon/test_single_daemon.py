@@ -1,8 +1,11 @@
 """One real daemon on loopback (no root needed): it leads itself, answers `peerd status`,
-refuses a second daemon on its state dir, switches rebalancing off and on, and stops cleanly
-on `peerd stop` or SIGTERM."""
+refuses a second daemon on its state dir, switches rebalancing off and on, shrugs off
+dashboard subscribers that vanish, and stops cleanly on `peerd stop` or SIGTERM."""
 
+import json
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -80,6 +83,37 @@ def test_rebalancing_is_switched_off_and_on_through_the_local_api(daemon):
         client.call(state_dir, {"op": "rebalance", "enabled": "no"})
     client.call(state_dir, {"op": "rebalance", "enabled": True})
     assert client.call(state_dir, {"op": "status"})["status"]["rebalance"] is True
+
+
+SUBSCRIBERS = 50
+
+
+def _subscribed(state_dir) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    sock.connect(str(statedir.socket_path(state_dir)))
+    sock.sendall(b'{"op": "subscribe"}\n')
+    assert json.loads(sock.makefile("rb").readline()) == {"ok": True, "subscribed": True}
+    return sock
+
+
+def test_subscribers_that_vanish_leave_no_traceback_and_the_daemon_serves_on(daemon):
+    state_dir, process = daemon
+    _wait_until_leading(state_dir, process)
+    logged = len(process.log.read_text())
+    subscribers = [_subscribed(state_dir) for _ in range(SUBSCRIBERS)]
+    for sock in subscribers:  # abruptly: a reset, unread events left behind
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+    with _subscribed(state_dir) as watcher:
+        events = watcher.makefile("rb")
+        for _ in range(2):  # two rounds published since: each went to the vanished ones too
+            assert "event" in json.loads(events.readline())
+    assert client.call(state_dir, {"op": "status"})["status"]["self"]
+    assert process.poll() is None
+    since = process.log.read_text()[logged:]
+    assert "Traceback" not in since
+    assert not [line for line in since.splitlines() if " WARNING " in line or " ERROR " in line]
 
 
 def test_peerd_stop_ends_the_daemon_cleanly(daemon):
