@@ -280,7 +280,9 @@ async def test_a_peer_lost_and_back_shows_in_the_log_the_table_and_the_plan(clus
                          "the peer's change of state in the log", SHOWN_S)
         await eventually(lambda: table.get_row(victim["id"])[3] != "alive",
                          "the peers table to show the loss", SHOWN_S)
-        await eventually(lambda: "no stages: model needs" in _plan_text(app),
+        cause = f"no stages: peer {victim['name']} (units "
+        await eventually(lambda: cause in _plan_text(app)
+                         and "stopped answering; model needs" in _plan_text(app),
                          "the plan picture to say why two peers cannot serve", SHOWN_S)
 
         restarted = time.time()
