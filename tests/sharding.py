@@ -64,3 +64,11 @@ def reference(model_dir: Path, prompt: tuple[int, ...], new_tokens: int, stop_at
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, **eos)
         logits = model(out[:, :-1]).logits[0, len(prompt) - 1 :]
     return out[0, len(prompt) :].tolist(), logits.numpy().astype(np.float32)
+
+
+@cache
+def logits_along(model_dir: Path, ids: tuple[int, ...]) -> np.ndarray:
+    """transformers' logits rows (float32, eager) at every position of `ids`, one forward."""
+    model = _transformers_model(model_dir)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy().astype(np.float32)

@@ -32,7 +32,7 @@ log = logging.getLogger("peerd.http")
 
 MAX_BODY_BYTES = 1024 * 1024
 CORS_MAX_AGE_S = 600
-ALLOWED_METHODS = "GET, POST, OPTIONS"
+ALLOWED_METHODS = "GET, HEAD, POST, OPTIONS"
 ALLOWED_HEADERS = "Authorization, Content-Type"
 SHUTDOWN_S = 1.0  # answers still running when the daemon stops get this long, then end
 

@@ -1,14 +1,17 @@
 """The OpenAI-compatible HTTP endpoint (`peerd start --openai [HOST:]PORT`, off by default).
 
-`GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions`, streamed or not, so
-existing OpenAI clients and web UIs can use the cluster. Every answer goes through the local
-API's `chat` op (peerd/inference/serving.py), so it works on any peer: the head answers, any other
-peer forwards to it. Requests map onto that op: `messages` (chat template) or `prompt` (plain text,
-or token ids), `max_completion_tokens`/`max_tokens`, `temperature`, `top_p`, `seed` and the
-extension `top_k`; `n` must be 1; `model`, where given, must be the served model's id; other
-fields (`stop`, penalties, `logprobs`, tools...) are ignored. Each choice carries the extension
-field `token_ids`. The chat op's error kinds become OpenAI's status codes (`api_error`). The
-HTTP itself (connection cap, CORS, key, body limits) is peerd/api/http_service.py.
+`GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions` and `POST /v1/completions`,
+streamed or not, so existing OpenAI clients and web UIs can use the cluster; HEAD is answered
+wherever GET is. Every answer goes through the local API's `chat` op (peerd/inference/serving.py),
+so it works on any peer: the head answers, any other peer forwards to it. Requests map onto that
+op: `messages` (chat template) or `prompt` (plain text, or token ids),
+`max_completion_tokens`/`max_tokens`, `temperature`, `top_p`, `seed`, `stop` (the op ends the
+text before it and stops the cluster there), `logprobs` with `top_logprobs` (chat) or
+`logprobs: N` (completions), and the extension `top_k`; `n` must be 1; `model`, where given,
+must be the served model's id; other fields (penalties, tools...) are ignored. Each choice
+carries the extension field `token_ids`. The chat op's error kinds become OpenAI's status codes
+(`api_error`). The HTTP itself (connection cap, CORS, key, body limits) is
+peerd/api/http_service.py.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from peerd.api.local_api import Op
 from peerd.control.deploy import Deployment
 from peerd.errors import ErrorKind, PeerdError
 from peerd.inference.serving import parse_chat
+from shards.sampling import MAX_TOP_LOGPROBS
 
 log = logging.getLogger("peerd.openai")
 
@@ -42,6 +46,8 @@ KEEPALIVE_S = 5.0  # a stream with no token for this long gets a comment (a long
 RETRY_AFTER_S = 1  # told to a client turned away busy
 # OpenAI's default is "until the context is full"; the chat op needs a number.
 DEFAULT_MAX_TOKENS = 256
+MAX_COMPLETION_LOGPROBS = 5  # completions' `logprobs: N`, as OpenAI allows
+MODELS = "/v1/models"
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,6 @@ def read_key(path: Path) -> str:
 @dataclass(frozen=True)
 class ServedModel:
     name: str
-    eos_ids: frozenset[int]
 
 
 def served_model(deployment: Deployment) -> ServedModel | None:
@@ -136,7 +141,7 @@ def served_model(deployment: Deployment) -> ServedModel | None:
     plan, manifest = deployment.assignment, deployment.manifest
     if plan is None or not plan.stages or plan.model is None or manifest is None:
         return None
-    return ServedModel(plan.model, frozenset(manifest.model.eos_token_ids))
+    return ServedModel(plan.model)
 
 
 # The status and OpenAI code of each kind of error the chat op raises.
@@ -157,6 +162,10 @@ def api_error(exc: PeerdError) -> ApiError:
     return ApiError(status, str(exc), code, headers=headers)
 
 
+# The chat op's log-probabilities of each token: OpenAI's `logprobs.content[]` entries.
+Entries = list[dict[str, Any]]
+
+
 @dataclass(frozen=True)
 class Flavour:
     """How one kind of completion looks on the wire."""
@@ -167,6 +176,40 @@ class Flavour:
     opening: dict[str, Any] | None  # the first streamed choice, before any text
     piece: Callable[[str], dict[str, Any]]  # a streamed choice's text
     whole: Callable[[str], dict[str, Any]]  # a complete answer's text
+    # the chat op's "logprobs" from the request's fields (None: not asked)
+    asks_logprobs: Callable[[dict[str, Any]], int | None]
+    # a choice's "logprobs" from the entries of its tokens, the first at this text offset
+    logprobs: Callable[[Entries, int], dict[str, Any]]
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    asked, top = _given(body, "logprobs", False), _given(body, "top_logprobs", None)
+    if not isinstance(asked, bool):
+        raise ApiError(400, '"logprobs" must be true or false', "invalid_request", "logprobs")
+    if top is not None and not (type(top) is int and 0 <= top <= MAX_TOP_LOGPROBS):
+        raise ApiError(400, f'"top_logprobs" must be an integer from 0 to {MAX_TOP_LOGPROBS}',
+                       "invalid_request", "top_logprobs")
+    if top is not None and not asked:
+        raise ApiError(400, '"top_logprobs" needs "logprobs": true', "invalid_request",
+                       "top_logprobs")
+    return (top or 0) if asked else None
+
+
+def _text_logprobs(body: dict[str, Any]) -> int | None:
+    asked = body.get("logprobs")
+    if asked is not None and not (type(asked) is int and 0 <= asked <= MAX_COMPLETION_LOGPROBS):
+        raise ApiError(400, f'"logprobs" must be an integer from 0 to {MAX_COMPLETION_LOGPROBS}',
+                       "invalid_request", "logprobs")
+    return asked
+
+
+def _text_offsets(entries: Entries, offset: int) -> list[int]:
+    """Where each token's text begins, counted as the sum of the tokens' texts before it."""
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry["token"])
+    return offsets
 
 
 CHAT = Flavour(
@@ -174,10 +217,19 @@ CHAT = Flavour(
     {"delta": {"role": "assistant", "content": ""}},
     lambda text: {"delta": {"content": text}},
     lambda text: {"message": {"role": "assistant", "content": text}},
+    _chat_logprobs,
+    lambda entries, _: {"content": entries},
 )
 TEXT = Flavour(
     "cmpl", "text_completion", "text_completion", None,
     lambda text: {"text": text}, lambda text: {"text": text},
+    _text_logprobs,
+    lambda entries, offset: {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": _text_offsets(entries, offset),
+    },
 )
 
 
@@ -255,6 +307,8 @@ def _ask(flavour: Flavour, body: dict[str, Any], prompt: dict[str, Any]) -> Ask:
         "top_p": _given(body, "top_p", 1.0),
         "top_k": _given(body, "top_k", 0),
         "seed": _given(body, "seed", 0),
+        "stop": body.get("stop"),
+        "logprobs": flavour.asks_logprobs(body),
     }
     try:
         parse_chat(chat)
@@ -286,7 +340,8 @@ class OpenAiApi:
             max_connections=settings.max_connections, idle_timeout_s=settings.idle_timeout_s,
         )
         self._routes: dict[tuple[str, str], Callable[[web.BaseRequest], Awaitable]] = {
-            ("GET", "/v1/models"): self._models,
+            ("GET", MODELS): self._models,
+            ("GET", MODELS + "/{id}"): self._model_named,
             ("POST", "/v1/chat/completions"): lambda r: self._complete(r, chat_ask),
             ("POST", "/v1/completions"): lambda r: self._complete(r, text_ask),
         }
@@ -316,20 +371,29 @@ class OpenAiApi:
         return self._http.status()
 
     async def _route(self, request: web.BaseRequest) -> web.StreamResponse:
-        handler = self._routes.get((request.method, request.path))
+        # HEAD is GET without the body, which aiohttp leaves out of the answer
+        method = "GET" if request.method == "HEAD" else request.method
+        path = _route_path(request.path)
+        handler = self._routes.get((method, path))
         if handler is not None:
             return await handler(request)
-        if any(path == request.path for _, path in self._routes):
+        if any(route == path for _, route in self._routes):
             raise ApiError(405, f"{request.method} is not allowed on {request.path}",
                            "method_not_allowed")
         raise ApiError(404, f"no such endpoint: {request.method} {request.path}", "not_found")
 
     async def _models(self, request: web.BaseRequest) -> web.StreamResponse:
         served = self._model()
-        models = [] if served is None else [
-            {"id": served.name, "object": "model", "created": 0, "owned_by": "peerd"}
-        ]
+        models = [] if served is None else [_model_object(served)]
         return web.json_response({"object": "list", "data": models})
+
+    async def _model_named(self, request: web.BaseRequest) -> web.StreamResponse:
+        name, served = request.path.removeprefix(MODELS + "/"), self._model()
+        if served is None or name != served.name:
+            serving = f"this cluster serves {served.name!r}" if served else "no model is served yet"
+            raise ApiError(404, f"the model {name!r} does not exist: {serving}",
+                           "model_not_found", "model")
+        return web.json_response(_model_object(served))
 
     async def _complete(self, request: web.BaseRequest,
                         parse: Callable[[Any], Ask]) -> web.StreamResponse:
@@ -340,25 +404,38 @@ class OpenAiApi:
                            f"{served.name!r}", "model_not_found", "model")
         header = {"id": f"{ask.flavour.prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
                   "model": served.name if served else ask.model}
-        eos_ids = served.eos_ids if served else frozenset()
         if ask.stream:
-            return await self._stream(request, ask, header, eos_ids)
+            return await self._stream(request, ask, header)
+        entries: Entries = []
+
+        async def keep_logprobs(event: dict[str, Any]) -> None:
+            if "logprobs" in event:
+                entries.append(event["logprobs"])
+
         try:
-            done = await self._answer(ask.chat)
+            done = await self._answer(ask.chat, keep_logprobs)
         except PeerdError as exc:
             raise api_error(exc) from None
-        choice = {"index": 0, **ask.flavour.whole(done["text"]), "logprobs": None,
-                  "finish_reason": _finish_reason(done, ask, eos_ids),
-                  "token_ids": done["token_ids"]}
+        choice = {"index": 0, **ask.flavour.whole(done["text"]),
+                  "logprobs": self._logprobs(ask, entries, 0),
+                  "finish_reason": done["finish_reason"], "token_ids": done["token_ids"]}
         return web.json_response({**header, "object": ask.flavour.object, "choices": [choice],
                                   "usage": _usage(done)})
 
-    async def _stream(self, request: web.BaseRequest, ask: Ask, header: dict[str, Any],
-                      eos_ids: frozenset[int]) -> web.StreamResponse:
-        def chunk(choice: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    @staticmethod
+    def _logprobs(ask: Ask, entries: Entries, offset: int) -> dict[str, Any] | None:
+        """A choice's "logprobs": None where the request did not ask for them."""
+        return None if ask.chat["logprobs"] is None else ask.flavour.logprobs(entries, offset)
+
+    async def _stream(self, request: web.BaseRequest, ask: Ask,
+                      header: dict[str, Any]) -> web.StreamResponse:
+        def chunk(choice: dict[str, Any], finish_reason: str | None = None,
+                  logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
             return {**header, "object": ask.flavour.chunk_object, "choices": [
-                {"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason}
+                {"index": 0, **choice, "logprobs": logprobs, "finish_reason": finish_reason}
             ]}
+
+        offset = 0  # of the next token's text, for completions' text_offset
 
         stream = EventStream(request, self._http.cors.headers(request))
         tokens: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
@@ -370,8 +447,11 @@ class OpenAiApi:
             while (event := await self._next_token(tokens, stream)) is not None:
                 if not stream.open and ask.flavour.opening is not None:
                     await stream.event(chunk(ask.flavour.opening))
+                entries = [event["logprobs"]] if "logprobs" in event else []
+                logprobs = self._logprobs(ask, entries, offset)
+                offset += sum(len(entry["token"]) for entry in entries)
                 await stream.event(chunk({**ask.flavour.piece(event["text"]),
-                                          "token_ids": [event["token"]]}))
+                                          "token_ids": [event["token"]]}, logprobs=logprobs))
             done = answer.result()
         except PeerdError as exc:
             if not stream.open:
@@ -380,7 +460,7 @@ class OpenAiApi:
             return stream.response
         finally:
             answer.cancel()
-        await stream.event(chunk(ask.flavour.piece(""), _finish_reason(done, ask, eos_ids)))
+        await stream.event(chunk(ask.flavour.piece(""), done["finish_reason"]))
         if ask.include_usage:
             await stream.event({**header, "object": ask.flavour.chunk_object, "choices": [],
                                 "usage": _usage(done)})
@@ -417,15 +497,15 @@ class OpenAiApi:
         return done
 
 
-def _finish_reason(done: dict[str, Any], ask: Ask, eos_ids: frozenset[int]) -> str:
-    """The finish reason: "stop" when the answer ended with an end-of-sequence token, else
-    "length".
+def _route_path(path: str) -> str:
+    """The route a request's path takes: a model's own path is MODELS/{id}."""
+    if path.startswith(MODELS + "/") and len(path) > len(MODELS) + 1:
+        return MODELS + "/{id}"
+    return path
 
-    An answer shorter than max_tokens can only have ended at one, which also covers a peer
-    that has not learnt the model's EOS ids yet."""
-    tokens = done["token_ids"]
-    ended = bool(tokens) and (tokens[-1] in eos_ids or len(tokens) < ask.chat["max_tokens"])
-    return "stop" if ended else "length"
+
+def _model_object(served: ServedModel) -> dict[str, Any]:
+    return {"id": served.name, "object": "model", "created": 0, "owned_by": "peerd"}
 
 
 def _usage(done: dict[str, Any]) -> dict[str, int]:

@@ -19,10 +19,16 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from peerd.inference.dataplane import DataPlane, GenerationError, Limits, Moved, PlaneClosed
+from peerd.inference.dataplane import (
+    DataPlane,
+    GenerationError,
+    Limits,
+    Moved,
+    OnToken,
+    PlaneClosed,
+)
 from peerd.inference.pipeline import Generation
 from peerd.wire.protocol import SequenceStats
 from shards.sampling import SamplingParams
@@ -100,15 +106,16 @@ class Answers:
             self._room.notify_all()
 
     # -- answering ---------------------------------------------------------------------------
-    async def generate(self, request: Request, on_token: Callable[[int], None]) -> Answered:
-        """Run one request to completion, calling `on_token` with each new token."""
+    async def generate(self, request: Request, on_token: OnToken) -> Answered:
+        """Run one request to completion, calling `on_token` with each new token (which may
+        end it early)."""
         await self._admit(request)
         try:
             return await self._generate(request, on_token)
         finally:
             await self._release(request)
 
-    async def _generate(self, request: Request, on_token: Callable[[int], None]) -> Answered:
+    async def _generate(self, request: Request, on_token: OnToken) -> Answered:
         generation = Generation(uuid.uuid4().hex, request.prompt, request.max_tokens,
                                 request.stop_ids, tokens=list(request.produced))
         resumed, kv_moved, left, plane = 0, 0, None, None

@@ -35,7 +35,14 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from peerd.inference.pipeline import Generation, StageWorker, StepDone, TokenSampler
+from peerd.inference.pipeline import (
+    Generation,
+    NewToken,
+    StageWorker,
+    StepDone,
+    TokenLogprobs,
+    TokenSampler,
+)
 from peerd.inference.routing import routes
 from peerd.wire.protocol import (
     Message,
@@ -61,6 +68,11 @@ log = logging.getLogger("peerd.inference.dataplane")
 # Sequences that ended recently: late messages for them are ignored rather than reviving K/V.
 _ENDED_MEMORY = 4096
 STATS_TIMEOUT_S = 2.0
+
+
+# Called with each new token of an answer; returning True ends the answer after it (its text
+# reached a stop string), at once on every stage.
+OnToken = Callable[[NewToken], bool | None]
 
 
 class GenerationError(Exception):
@@ -96,7 +108,7 @@ class Limits:
 @dataclass
 class _Running:
     generation: Generation
-    on_token: Callable[[int], None]
+    on_token: OnToken
     done: asyncio.Future
     active_at: float
     paused: bool = False  # stopped at a token boundary, to move to the handover plane
@@ -169,7 +181,7 @@ class DataPlane:
 
     # -- the head's side ---------------------------------------------------------------------
     async def run(
-        self, generation: Generation, params: SamplingParams, on_token: Callable[[int], None]
+        self, generation: Generation, params: SamplingParams, on_token: OnToken
     ) -> list[SequenceStats]:
         """Run `generation` until it finishes, calling `on_token` with each new token; the
         stages' costs of the sequence come back.
@@ -204,7 +216,7 @@ class DataPlane:
             self.sampler.open(seq_id, params, skip)
             return
         ask = SequenceOpen(0, self.plan, seq_id, params.temperature, params.top_k, params.top_p,
-                           params.seed, skip)
+                           params.seed, skip, params.logprobs)
         try:
             answer = await self.transport.request(self.peers[-1], ask, self.limits.send_timeout_s)
         except TransportError as exc:
@@ -233,17 +245,20 @@ class DataPlane:
         step, inputs = running.generation.step_inputs()
         self._spawn(self._run(running.generation.seq_id, step, inputs))
 
-    def _on_token(self, seq_id: str, step: int, token: int) -> None:
+    def _on_token(self, seq_id: str, step: int, token: int,
+                  logprobs: TokenLogprobs | None) -> None:
         running = self._running.get(seq_id)
         if running is None or running.done.done():
             return  # cancelled or retired meanwhile
+        generation = running.generation
         try:
-            finished = running.generation.record(step, token)
+            finished = generation.record(step, token)
         except ValueError as exc:
             self._fail(seq_id, str(exc))
             return
         running.active_at = time.monotonic()
-        running.on_token(token)
+        if running.on_token(NewToken(token, logprobs, finished)) and not finished:
+            generation.stopped = finished = True
         if finished:
             running.done.set_result(None)
         else:
@@ -333,7 +348,7 @@ class DataPlane:
         ):
             self._end(message.seq_id)  # a sequence no answer runs: free it on every stage
         elif isinstance(message, SequenceToken) and self.is_head:
-            self._on_token(message.seq_id, message.step, message.token)
+            self._on_token(message.seq_id, message.step, message.token, _logprobs(message))
         elif isinstance(message, SequenceFailed) and self.is_head:
             self._fail(message.seq_id, message.reason)
         elif isinstance(message, SequenceDrop):
@@ -392,7 +407,8 @@ class DataPlane:
 
     def _on_open(self, message: SequenceOpen, reply: Callable[[Message], None]) -> None:
         try:
-            params = SamplingParams(message.temperature, message.top_k, message.top_p, message.seed)
+            params = SamplingParams(message.temperature, message.top_k, message.top_p,
+                                    message.seed, message.logprobs)
             if message.skip < 0:
                 raise ValueError(f"skip must be >= 0, not {message.skip}")
         except ValueError as exc:
@@ -447,13 +463,16 @@ class DataPlane:
                 self.worker.drop(seq_id)
                 await self._report_failure(seq_id, f"stage {self.stage}: {seq_id} was not opened")
                 return
-            await self._emit_token(seq_id, step, self.sampler.sample(seq_id, done.logits))
+            token = self.sampler.sample(seq_id, done.logits)
+            await self._emit_token(seq_id, step, token,
+                                   self.sampler.logprobs(seq_id, done.logits, token))
 
-    async def _emit_token(self, seq_id: str, step: int, token: int) -> None:
+    async def _emit_token(self, seq_id: str, step: int, token: int,
+                          logprobs: TokenLogprobs | None) -> None:
         if self.is_head:
-            self._on_token(seq_id, step, token)
+            self._on_token(seq_id, step, token, logprobs)
             return
-        message = SequenceToken(seq_id, step, token)
+        message = _token_message(seq_id, step, token, logprobs)
         try:
             await self.transport.deliver(self.peers[0], message, self.limits.send_timeout_s)
         except TransportError as exc:
@@ -523,3 +542,18 @@ class DataPlane:
         for seq_id in list(self._live | set(self._running) | computing):
             self._forget(seq_id)
 
+
+
+def _token_message(seq_id: str, step: int, token: int,
+                   logprobs: TokenLogprobs | None) -> SequenceToken:
+    if logprobs is None:
+        return SequenceToken(seq_id, step, token)
+    return SequenceToken(seq_id, step, token, logprobs.logprob,
+                         tuple(i for i, _ in logprobs.top), tuple(lp for _, lp in logprobs.top))
+
+
+def _logprobs(message: SequenceToken) -> TokenLogprobs | None:
+    if message.logprob is None:
+        return None
+    top = list(zip(message.top_ids, message.top_logprobs, strict=True))
+    return TokenLogprobs(message.logprob, top)

@@ -21,7 +21,7 @@ import numpy as np
 from peerd.inference.routing import Route, StageRoutes
 from peerd.wire.protocol import StageData
 from shards.executor import StageExecutor
-from shards.sampling import Sampler, SamplingParams
+from shards.sampling import Ranked, Sampler, SamplingParams, token_logprobs
 
 Tensors = dict[str, np.ndarray]
 
@@ -140,6 +140,23 @@ class StageWorker:
         return array
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The model's log-probability of a sampled token, and of the most likely tokens."""
+
+    logprob: float
+    top: Ranked
+
+
+@dataclass(frozen=True)
+class NewToken:
+    """A token of an answer as the head hands it on."""
+
+    id: int
+    logprobs: TokenLogprobs | None  # where the answer asked for them
+    last: bool  # the answer ends with it: an end-of-sequence token, or max_tokens reached
+
+
 class TokenSampler:
     """On the last stage: one seeded sampler per open sequence, fed the last logits row."""
 
@@ -151,6 +168,13 @@ class TokenSampler:
 
     def sample(self, seq_id: str, logits: np.ndarray) -> int:
         return self._samplers[seq_id](logits[0, -1])
+
+    def logprobs(self, seq_id: str, logits: np.ndarray, token: int) -> TokenLogprobs | None:
+        """What the sequence asked to know of the step that sampled `token`, if anything."""
+        top = self._samplers[seq_id].params.logprobs
+        if top is None:
+            return None
+        return TokenLogprobs(*token_logprobs(logits[0, -1], token, top))
 
     def close(self, seq_id: str) -> None:
         self._samplers.pop(seq_id, None)
@@ -176,6 +200,7 @@ class Generation:
     tokens: list[int] = field(default_factory=list)
     cached: int = 0
     step: int = 0  # forward passes of this seq_id, pairing the messages of one step
+    stopped: bool = False  # ended early: its text reached a stop string
 
     def step_inputs(self) -> tuple[int, Tensors]:
         """The step to run next and its request inputs."""
@@ -197,7 +222,7 @@ class Generation:
 
     @property
     def finished(self) -> bool:
-        return len(self.tokens) >= self.max_tokens or bool(
+        return self.stopped or len(self.tokens) >= self.max_tokens or bool(
             self.tokens and self.tokens[-1] in self.stop_ids
         )
 

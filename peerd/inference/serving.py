@@ -3,12 +3,17 @@
 The head (the peer holding unit 0 and the tokenizer) turns a chat request into prompt ids
 (the chat template for `messages`, or `prompt_ids` as given), runs it through its
 `Answers` (peerd/inference/answers.py), and streams one event per token, then a `done` event with
-the token ids, the text and the answer's statistics. A request typed on any other peer's
-socket is forwarded to the head (`ChatRequest`) and its events relayed back (`ChatEvent`);
-if that client goes away the head is told (`ChatCancel`) and the answer ends on every peer.
-If the head itself goes away mid-answer, the forwarding peer asks the next head to resume
-it: the same request with the tokens already streamed (`resume_ids`), which the new head
-re-prefills and continues from.
+the token ids, the text, why it ended and the answer's statistics. A chat may name stop
+strings: its text ends before the first that appears (peerd/inference/stops.py; text that may
+begin one is held back until decided) and the answer ends there on every peer at once. A chat
+may ask for log-probabilities: each token event then carries the token's and the most likely
+tokens' (computed on the last stage from the raw logits, see shards.sampling.token_logprobs).
+
+A request typed on any other peer's socket is forwarded to the head (`ChatRequest`) and its
+events relayed back (`ChatEvent`); if that client goes away the head is told (`ChatCancel`)
+and the answer ends on every peer. If the head itself goes away mid-answer, the forwarding
+peer asks the next head to resume it: the same request with the tokens already streamed
+(`resume_ids`), which the new head re-prefills and continues from.
 
 `Serving` keeps one `DataPlane` per plan this peer has loaded a stage of, and follows the
 events of peerd/control/plan_live.py: on `StageLoaded` it builds the new plan's plane while the
@@ -38,6 +43,8 @@ from peerd.control.planning import context_for
 from peerd.errors import ErrorKind, PeerdError, invalid
 from peerd.inference.answers import Answered, Answers, Busy, Request
 from peerd.inference.dataplane import DataPlane, GenerationError, Limits
+from peerd.inference.pipeline import NewToken, TokenLogprobs
+from peerd.inference.stops import StopStrings
 from peerd.wire import protocol
 from peerd.wire.protocol import (
     ChatCancel,
@@ -48,7 +55,7 @@ from peerd.wire.protocol import (
 from peerd.wire.transport import Incoming, Transport, TransportError
 from shards.errors import ModelError, NoTokenizer
 from shards.manifest import Manifest
-from shards.sampling import SamplingParams
+from shards.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from shards.tokenizer import TextStream, Tokenizer
 
 log = logging.getLogger("peerd.inference.serving")
@@ -67,6 +74,7 @@ HANDOVER_S = 10.0
 MAX_CHAT_TOKENS = 8192
 MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; the model refuses ids past its own
 MAX_SEED = 2**64 - 1  # the largest seed SequenceOpen carries (msgpack integers)
+MAX_STOPS = 4  # stop strings of one chat, as OpenAI allows
 CHAT_KINDS = (ChatRequest, ChatEvent, ChatCancel)
 PLANE_KINDS = (
     protocol.StageData, protocol.SequenceOpen, protocol.SequenceToken, protocol.SequenceDrop,
@@ -85,6 +93,7 @@ class ChatBody:
     max_tokens: int
     params: SamplingParams
     produced: tuple[int, ...] = ()  # resume_ids: tokens an earlier head already streamed
+    stops: tuple[str, ...] = ()  # the text ends before the first of these that appears
 
 
 def parse_chat(request: dict[str, Any]) -> ChatBody:
@@ -116,6 +125,7 @@ def parse_chat(request: dict[str, Any]) -> ChatBody:
             int(request.get("top_k", 0)),
             float(request.get("top_p", 1.0)),
             int(request.get("seed", 0)),
+            _logprobs_asked(request.get("logprobs")),
         )
     except (TypeError, ValueError, OverflowError) as exc:
         raise invalid(f"bad sampling settings: {exc}") from None
@@ -126,7 +136,23 @@ def parse_chat(request: dict[str, Any]) -> ChatBody:
         raise invalid('"resume_ids" must be a list of integers, token ids >= 0')
     if len(produced) >= max_tokens:
         raise invalid('"resume_ids" must be shorter than "max_tokens"')
-    return ChatBody(prompt_ids, messages, prompt, max_tokens, params, tuple(produced))
+    return ChatBody(prompt_ids, messages, prompt, max_tokens, params, tuple(produced),
+                    _stops(request.get("stop")))
+
+
+def _logprobs_asked(value: Any) -> int | None:
+    if value is not None and type(value) is not int:
+        raise ValueError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} or null")
+    return value
+
+
+def _stops(value: Any) -> tuple[str, ...]:
+    """"stop": a string or a list of up to MAX_STOPS strings, none empty (or null)."""
+    stops = [value] if isinstance(value, str) else [] if value is None else value
+    if not (isinstance(stops, list) and len(stops) <= MAX_STOPS
+            and all(isinstance(stop, str) and stop for stop in stops)):
+        raise invalid(f'"stop" must be a non-empty string or a list of up to {MAX_STOPS} of them')
+    return tuple(stops)
 
 
 def _token_ids(value: Any) -> bool:
@@ -174,16 +200,23 @@ class ChatService:
         if head is None:
             raise PeerdError("this peer is no longer the head; ask again", ErrorKind.UNAVAILABLE)
         prompt = self._prompt_ids(head, body)
-        text = TextStream(head.tokenizer)
-        for token in body.produced:
-            text.add(token)
+        text, stops = TextStream(head.tokenizer), StopStrings(body.stops)
+        for token in body.produced:  # handed out by an earlier head, as this one would have
+            stops.add(text.add(token))
         events: asyncio.Queue = asyncio.Queue()
         token_times: list[float] = []
         started = time.perf_counter()
 
-        def on_token(token: int) -> None:
+        def on_token(new: NewToken) -> bool:
             token_times.append(time.perf_counter())
-            events.put_nowait({"event": "token", "token": token, "text": text.add(token)})
+            piece = stops.add(text.add(new.id))
+            if new.last:
+                piece += stops.end()
+            event: dict[str, Any] = {"event": "token", "token": new.id, "text": piece}
+            if new.logprobs is not None:
+                event["logprobs"] = _logprobs_entry(head.tokenizer, new.id, new.logprobs)
+            events.put_nowait(event)
+            return stops.stopped
 
         request = Request(prompt, body.params, body.max_tokens, head.stop_ids, body.produced)
         generation = asyncio.create_task(head.answers.generate(request, on_token))
@@ -199,8 +232,10 @@ class ChatService:
         finally:
             generation.cancel()
         stats = _stats(answered, len(prompt), started, token_times)
+        ended = stops.stopped or bool(answered.tokens) and answered.tokens[-1] in head.stop_ids
         await send({"event": "done", "ok": True, "token_ids": answered.tokens,
-                    "text": text.text, "stats": stats})
+                    "text": stops.text, "finish_reason": "stop" if ended else "length",
+                    "stats": stats})
 
     def _prompt_ids(self, head: Head, body: ChatBody) -> list[int]:
         if body.prompt_ids is not None:
@@ -342,6 +377,22 @@ class ChatService:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _logprobs_entry(tokenizer: Tokenizer | None, token: int,
+                    logprobs: TokenLogprobs) -> dict[str, Any]:
+    """A token's log-probabilities in the shape of OpenAI's `logprobs.content[]`, plus the
+    ids (`token_id`)."""
+    return {**_token_entry(tokenizer, token, logprobs.logprob), "top_logprobs": [
+        _token_entry(tokenizer, top, logprob) for top, logprob in logprobs.top]}
+
+
+def _token_entry(tokenizer: Tokenizer | None, token: int, logprob: float) -> dict[str, Any]:
+    # A token's own text (a model without a tokenizer: its id); a token that is part of a
+    # character reads as U+FFFD.
+    text = (f"token_id:{token}" if tokenizer is None
+            else tokenizer.decode([token], skip_special_tokens=False))
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "token_id": token}
 
 
 def _check_vocabulary(prompt: list[int], vocab_size: int) -> None:

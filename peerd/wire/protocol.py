@@ -39,6 +39,7 @@ MAX_RANK = 8
 
 MAX_PROBE_BYTES = 64 * 1024 * 1024
 MAX_SKIP = 1 << 20  # tokens a resumed sequence may skip: far above any answer's length
+MAX_TOP_LOGPROBS = 20  # most likely tokens reported with a token (OpenAI's top_logprobs)
 CONTROL, DATA, HELLO = "control", "data", "hello"
 CHANNELS = (CONTROL, DATA, HELLO)
 
@@ -145,7 +146,8 @@ class SequenceOpen(Asks["SequenceOpened"]):
     """The head asks the last stage to sample a new sequence with these settings; the answer
     (``SequenceOpened``) comes before the head runs the sequence's first step. ``skip`` is
     the number of tokens already sampled for this answer (a resumed answer continues the
-    seeded random stream where it stopped)."""
+    seeded random stream where it stopped). ``logprobs``, where given, asks for each token's
+    log-probability and that many most likely tokens with it (``SequenceToken``)."""
 
     KIND: ClassVar[str]
     CHANNEL: ClassVar[str]
@@ -157,8 +159,11 @@ class SequenceOpen(Asks["SequenceOpened"]):
     top_p: float
     seed: int
     skip: int
+    logprobs: int | None = None
 
     def __post_init__(self):
+        _require(self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+                 f"seq-open: logprobs outside 0..{MAX_TOP_LOGPROBS}")
         # The last stage seeds a random stream with these: a negative seed or an enormous
         # skip would raise there, or allocate the skipped draws, instead of being refused.
         _require(self.seed >= 0, "seq-open: negative seed")
@@ -177,13 +182,27 @@ class SequenceOpened:
 @message("seq-token", channel=DATA)
 @dataclasses.dataclass(frozen=True)
 class SequenceToken:
-    """The last stage's sampled token for one step, sent to the head."""
+    """The last stage's sampled token for one step, sent to the head; for a sequence opened
+    with ``logprobs``, also the token's log-probability and the most likely tokens
+    (``top_ids``, most likely first) with theirs."""
 
     KIND: ClassVar[str]
     CHANNEL: ClassVar[str]
     seq_id: str
     step: int
     token: int
+    logprob: float | None = None
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        _require(len(self.top_ids) == len(self.top_logprobs) <= MAX_TOP_LOGPROBS,
+                 f"seq-token: top_ids and top_logprobs differ or exceed {MAX_TOP_LOGPROBS}")
+        _require(self.logprob is not None or not self.top_ids,
+                 "seq-token: top logprobs without the token's")
+        logprobs = (*self.top_logprobs, *(() if self.logprob is None else (self.logprob,)))
+        _require(all(lp <= 0.0 for lp in logprobs), "seq-token: a logprob above 0")
+        _require(all(i >= 0 for i in (self.token, *self.top_ids)), "seq-token: negative id")
 
 
 @message("seq-drop", channel=DATA)

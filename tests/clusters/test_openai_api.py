@@ -15,6 +15,7 @@ import contextlib
 import email.message
 import http.client
 import json
+import math
 import resource
 import secrets
 import socket
@@ -28,7 +29,7 @@ from typing import Any
 import pytest
 from netns import wait_for
 from openai import AuthenticationError, BadRequestError, NotFoundError, OpenAI
-from sharding import reference, seed_shard_cache
+from sharding import logits_along, reference, seed_shard_cache
 
 from peerd.api.http_service import MAX_BODY_BYTES
 from peerd.api.openai_api import DEFAULT_MAX_CONNECTIONS
@@ -36,7 +37,7 @@ from peerd.cluster.membership import Timing
 from peerd.commands import client
 from peerd.errors import PeerdError
 from peerd.wire import identity
-from shards.tokenizer import Tokenizer
+from shards.tokenizer import TextStream, Tokenizer
 
 PEERD = [sys.executable, "-m", "peerd"]
 READY_S, ANSWER_S = 180, 60
@@ -317,6 +318,122 @@ def test_finish_reason_is_stop_exactly_when_the_answer_ends_with_eos(cluster):
 def test_models_lists_the_served_model(cluster):
     models = cluster.client().models.list()
     assert [m.id for m in models.data] == [cluster.model]
+
+
+def _stop_inside(text: str) -> tuple[str, str]:
+    """A stop string that first appears in the middle of `text`, and the text before it."""
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert len(stop) == 3 and text.find(stop) > 0, f"an answer long enough: {text!r}"
+    return stop, text[: text.find(stop)]
+
+
+def _tokens_to_stop(token_ids: list[int], stop: str, model_dir: Path) -> int:
+    """How many of the tokens it takes for their text, as streamed, to hold the stop string."""
+    text = TextStream(Tokenizer.from_dir(model_dir))
+    for n, token in enumerate(token_ids, 1):
+        text.add(token)
+        if stop in text.text:
+            return n
+    raise AssertionError(f"{stop!r} is not in the answer")
+
+
+def _no_sequence_open(cluster: Cluster) -> bool:
+    return all((_status(d) or {}).get("dataplane", {}).get("sequences") == 0 for d in cluster.dirs)
+
+
+@pytest.mark.cluster
+def test_stop_ends_the_text_before_it_and_the_cluster_stops_computing_there(cluster):
+    openai = cluster.client()
+    asked = {"model": cluster.model, "prompt": "the quick brown fox", "max_tokens": MAX_TOKENS,
+             "temperature": 0}
+    full = openai.completions.create(**asked).choices[0]
+    stop, before = _stop_inside(full.text)
+    needed = _tokens_to_stop(full.model_extra["token_ids"], stop, cluster.model_dir)
+    whole = openai.completions.create(**asked, stop=[stop, "never in this text"])
+    streamed = list(openai.completions.create(**asked, stop=stop, stream=True))
+    answer = whole.choices[0]
+    assert answer.text == before == "".join(c.choices[0].text for c in streamed)
+    assert answer.finish_reason == "stop" == streamed[-1].choices[0].finish_reason
+    assert answer.model_extra["token_ids"] == full.model_extra["token_ids"][:needed]
+    assert whole.usage.completion_tokens == needed < MAX_TOKENS, "no token past the stop string"
+    wait_for(lambda: _no_sequence_open(cluster), ANSWER_S, "every peer to free the answers")
+
+
+@pytest.mark.cluster
+def test_a_streamed_chat_stops_before_its_stop_string(cluster, peerd_chat):
+    stop, before = _stop_inside(peerd_chat["text"])
+    chunks = list(cluster.client().chat.completions.create(
+        model=cluster.model, messages=[{"role": "user", "content": PROMPT}], stream=True,
+        max_tokens=MAX_TOKENS, stop=[stop], **SAMPLING,
+    ))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == before
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert sum(len(c.choices[0].model_extra.get("token_ids") or []) for c in chunks) == (
+        _tokens_to_stop(peerd_chat["token_ids"], stop, cluster.model_dir))
+
+
+def _log_softmax(row) -> list[float]:
+    top = max(row)
+    total = math.log(sum(math.exp(x - top) for x in row))
+    return [float(x) - top - total for x in row]
+
+
+def _reference_logprobs(cluster: Cluster, prompt: list[int], answer: list[int]) -> list[list]:
+    """The model's log-softmax at each step of the answer, from transformers."""
+    rows = logits_along(cluster.model_dir, tuple(prompt + answer))[len(prompt) - 1 : -1]
+    return [_log_softmax(row.tolist()) for row in rows]
+
+
+@pytest.mark.cluster
+def test_chat_logprobs_are_the_log_softmax_of_the_final_logits_at_each_step(cluster):
+    answer = cluster.client().chat.completions.create(
+        model=cluster.model, messages=[{"role": "user", "content": PROMPT}],
+        max_completion_tokens=MAX_TOKENS, logprobs=True, top_logprobs=3, **SAMPLING,
+    )
+    choice = answer.choices[0]
+    tokens = choice.model_extra["token_ids"]
+    prompt = Tokenizer.from_dir(cluster.model_dir).prompt_ids(PROMPT)
+    assert answer.usage.prompt_tokens == len(prompt)
+    expected = _reference_logprobs(cluster, prompt, tokens)
+    content = choice.logprobs.content
+    assert [entry.model_extra["token_id"] for entry in content] == tokens
+    for entry, token, row in zip(content, tokens, expected, strict=True):
+        assert entry.logprob == pytest.approx(row[token], abs=1e-4)
+        assert entry.bytes == list(entry.token.encode())
+        third = sorted(row, reverse=True)[2]
+        assert len(entry.top_logprobs) == 3
+        for top in entry.top_logprobs:
+            assert top.logprob == pytest.approx(row[top.model_extra["token_id"]], abs=1e-4)
+            assert top.logprob >= third - 1e-4, "among the three most likely"
+
+
+@pytest.mark.cluster
+def test_streamed_completion_logprobs_are_the_log_softmax_at_each_step(cluster):
+    tokens, logits = reference(cluster.model_dir, (7,), 8)
+    chunks = list(cluster.client().completions.create(
+        model=cluster.model, prompt=[7], max_tokens=8, temperature=0, logprobs=2, stream=True))
+    steps = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert [t for c in chunks for t in c.choices[0].model_extra.get("token_ids") or []] == tokens
+    assert len(steps) == len(tokens)
+    offsets = [step.text_offset[0] for step in steps]
+    assert offsets == [sum(len(s.tokens[0]) for s in steps[:i]) for i in range(len(steps))]
+    for step, token, row in zip(steps, tokens, logits, strict=True):
+        expected = _log_softmax(row.tolist())
+        assert step.token_logprobs[0] == pytest.approx(expected[token], abs=1e-4)
+        assert step.token_logprobs[0] == pytest.approx(max(expected), abs=1e-4), "greedy"
+        assert len(step.top_logprobs[0]) <= 2
+
+
+@pytest.mark.cluster
+def test_a_model_is_retrieved_by_its_id_and_head_answers_without_a_body(cluster):
+    openai = cluster.client()
+    assert openai.models.retrieve(cluster.model).id == cluster.model
+    with pytest.raises(NotFoundError) as raised:
+        openai.models.retrieve("gpt-4o")
+    assert raised.value.body["code"] == "model_not_found"
+    for path in ("/v1/models", f"/v1/models/{cluster.model}"):
+        head = _request(cluster, "HEAD", path)
+        assert (head.status, head.body) == (200, b"")
 
 
 # -- HTTP --------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import pytest
 from peerd.api.http_service import MAX_BODY_BYTES
 from peerd.api.openai_api import (
     OpenAiApi,
+    ServedModel,
     Settings,
     api_error,
     parse_address,
@@ -71,8 +72,10 @@ async def endpoint():
     """`endpoint(chat, settings, **options)`: a started endpoint, closed after the test."""
     started = []
 
-    async def start(chat, settings: Settings | None = None, **options) -> OpenAiApi:
-        api = OpenAiApi(chat, lambda: None, settings or Settings(), **options)
+    async def start(chat, settings: Settings | None = None, model: str | None = None,
+                    **options) -> OpenAiApi:
+        served = None if model is None else ServedModel(model)
+        api = OpenAiApi(chat, lambda: served, settings or Settings(), **options)
         await api.start()
         started.append(api)
         return api
@@ -99,6 +102,50 @@ async def test_without_a_model_there_are_no_models_and_chats_are_unavailable(end
     assert status == 503 and answer["error"]["type"] == "server_error"
     assert answer["error"]["code"] == "unavailable"
     assert "no model is deployed" in answer["error"]["message"]
+
+
+async def test_head_answers_every_get_endpoint_without_a_body(endpoint):
+    api = await endpoint(ChatService(transport=None).op_chat, model="tiny")
+    for path in ("/v1/models", "/v1/models/tiny"):
+        connection = http.client.HTTPConnection("127.0.0.1", api.port, timeout=30)
+        try:
+            await asyncio.to_thread(connection.request, "HEAD", path)
+            answer = await asyncio.to_thread(connection.getresponse)
+            assert (answer.status, answer.read()) == (200, b"")
+            assert answer.getheader("Content-Type").startswith("application/json")
+        finally:
+            connection.close()
+    assert (await _ask(api, "POST", "/v1/models/tiny"))[0] == 405
+
+
+async def test_a_model_is_answered_by_its_id_and_others_are_not_found(endpoint):
+    api = await endpoint(ChatService(transport=None).op_chat, model="org/tiny-1")
+    status, _, model = await _ask(api, "GET", "/v1/models/org/tiny-1")
+    assert (status, model) == (200, {"id": "org/tiny-1", "object": "model", "created": 0,
+                                     "owned_by": "peerd"})
+    status, _, answer = await _ask(api, "GET", "/v1/models/gpt-4o")
+    assert status == 404 and answer["error"]["code"] == "model_not_found"
+    assert "org/tiny-1" in answer["error"]["message"]
+    assert (await _ask(api, "GET", "/v1/models/"))[0] == 404
+
+
+@pytest.mark.parametrize("path, fields, param, reason", [
+    ("/v1/completions", {"stop": ["a", "b", "c", "d", "e"]}, None, "up to 4"),
+    ("/v1/completions", {"stop": ["a", 1]}, None, '"stop"'),
+    ("/v1/completions", {"stop": ""}, None, '"stop"'),
+    ("/v1/completions", {"logprobs": 6}, "logprobs", "0 to 5"),
+    ("/v1/completions", {"logprobs": True}, "logprobs", "0 to 5"),
+    ("/v1/chat/completions", {"logprobs": 1}, "logprobs", "true or false"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "0 to 20"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs", '"logprobs": true'),
+])
+async def test_bad_stop_and_logprobs_fields_get_400(endpoint, path, fields, param, reason):
+    api = await endpoint(_head_waiting_for_a_plan().op_chat)
+    asked = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {
+        "prompt": [1, 2]}
+    status, _, answer = await _ask(api, "POST", path, {**asked, **fields})
+    assert status == 400 and reason in answer["error"]["message"]
+    assert answer["error"]["param"] == param
 
 
 async def test_a_full_head_answers_429_with_retry_after(endpoint):

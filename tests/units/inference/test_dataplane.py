@@ -11,6 +11,7 @@ from waiting import eventually
 
 from peerd.inference.answers import Busy, Request
 from peerd.inference.dataplane import GenerationError, Limits
+from peerd.inference.pipeline import NewToken
 from peerd.wire import protocol
 from shards.executor import StageExecutor
 from shards.sampling import SamplingParams
@@ -36,7 +37,8 @@ async def test_eight_concurrent_generations_are_exact_and_free_their_state(toy, 
     streamed = {i: [] for i in range(len(PROMPTS))}
     results = await asyncio.wait_for(
         asyncio.gather(
-            *(head.generate(_request(p), streamed[i].append) for i, p in enumerate(PROMPTS))
+            *(head.generate(_request(p), lambda t, i=i: streamed[i].append(t.id))
+              for i, p in enumerate(PROMPTS))
         ),
         timeout=30,
     )
@@ -118,8 +120,8 @@ async def _after_tokens(head, request, count: int):
     seen = asyncio.Event()
     tokens: list[int] = []
 
-    def on_token(token: int) -> None:
-        tokens.append(token)
+    def on_token(token: NewToken) -> None:
+        tokens.append(token.id)
         if len(tokens) >= count:
             seen.set()
 
@@ -227,3 +229,43 @@ async def test_answers_without_a_next_plan_end_with_the_leaders_reason(ring):
     head.use(None, problem="model needs 9.1 GB at beta 0.7; usable peers offer 6.3 GB")
     with pytest.raises(GenerationError, match="model needs 9.1 GB"):
         await asyncio.wait_for(task, 10)
+
+
+def _log_softmax(row: np.ndarray) -> np.ndarray:
+    row = row.astype(np.float64)
+    shifted = row - row.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+async def test_logprobs_asked_for_travel_from_the_last_stage_with_each_token(toy, ring):
+    model = toy[0]
+    prompt = [5, 1]
+    heard: list[NewToken] = []
+    sampled = _request(prompt, max_tokens=6, temperature=0.9, seed=3, logprobs=4)
+    result = await ring[0].answers.generate(sampled, heard.append)
+    assert [t.id for t in heard] == result.tokens and heard[-1].last
+    for i, token in enumerate(heard):
+        expected = _log_softmax(model.logits(prompt + result.tokens[:i])[-1])
+        assert token.logprobs is not None
+        assert token.logprobs.logprob == pytest.approx(expected[token.id], abs=1e-5)
+        best = np.argsort(-expected, kind="stable")[:4]
+        assert [i for i, _ in token.logprobs.top] == best.tolist()
+        assert [lp for _, lp in token.logprobs.top] == pytest.approx(expected[best], abs=1e-5)
+    plain: list[NewToken] = []
+    await ring[0].answers.generate(_request(prompt, max_tokens=2), plain.append)
+    assert [t.logprobs for t in plain] == [None, None], "only when asked"
+
+
+async def test_an_answer_ended_by_its_token_callback_stops_on_every_stage(ring):
+    seen: list[int] = []
+
+    def three_is_enough(token: NewToken) -> bool:
+        seen.append(token.id)
+        return len(seen) == 3
+
+    result = await ring[0].answers.generate(_request([1, 2], max_tokens=50), three_is_enough)
+    assert result.tokens == seen and len(seen) == 3
+    assert [s.steps for s in result.stages] == [3, 3, 3], "no step ran past the end"
+    await eventually(
+        lambda: all(p.plane.worker.executor.sequence_count == 0 for p in ring), "K/V freed"
+    )

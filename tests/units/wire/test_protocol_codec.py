@@ -103,3 +103,28 @@ def test_tensors_of_unsupported_dtype_cannot_be_sent():
     msg = StageData(plan="1.1", seq_id="x", step=0, tensors={"c": np.zeros(2, dtype=np.complex64)})
     with pytest.raises(TypeError, match="cannot travel"):
         protocol.encode(msg)
+
+
+def test_a_token_travels_with_its_logprobs_and_without_them():
+    plain = protocol.SequenceToken("s", 3, 7)
+    ranked = protocol.SequenceToken("s", 3, 7, -0.25, (7, 2), (-0.25, -1.5))
+    for token in (plain, ranked):
+        assert protocol.decode(protocol.encode(token)) == token
+    opened = protocol.SequenceOpen(0, "1.1", "s", 0.5, 0, 1.0, 0, 0, logprobs=20)
+    assert protocol.decode(protocol.encode(opened)) == opened
+
+
+@pytest.mark.parametrize("fields, reason", [
+    ({"logprob": -1.0, "top_ids": (1, 2), "top_logprobs": (-1.0,)}, "differ"),
+    ({"logprob": 0.5}, "above 0"),
+    ({"top_ids": (1,), "top_logprobs": (-1.0,)}, "without the token's"),
+    ({"logprob": -1.0, "top_ids": tuple(range(21)), "top_logprobs": (-1.0,) * 21}, "exceed 20"),
+])
+def test_token_logprobs_out_of_shape_are_refused(fields, reason):
+    with pytest.raises(ProtocolError, match=reason):
+        protocol.SequenceToken("s", 0, 1, **fields)
+
+
+def test_a_sequence_open_asking_for_more_than_20_logprobs_is_refused():
+    with pytest.raises(ProtocolError, match="logprobs outside 0..20"):
+        protocol.SequenceOpen(0, "1.1", "s", 0.5, 0, 1.0, 0, 0, logprobs=21)
