@@ -26,7 +26,6 @@ class Counters:
     ignored_records: int  # mDNS services whose record did not verify
     refused_handshakes: int  # CURVE clients the ZAP handler turned away
     malformed_messages: int  # messages dropped by the protocol checks
-    junk_connections: int  # connections to a ZeroMQ port dropped before any handshake
 
 
 def build(
@@ -136,8 +135,7 @@ def render(status: dict[str, Any]) -> str:
         lines.append(
             f"refused {security['ignored_records']} foreign records, "
             f"{security['refused_handshakes']} handshakes, "
-            f"{security['malformed_messages']} malformed messages, "
-            f"{security['junk_connections']} junk connections"
+            f"{security['malformed_messages']} malformed messages"
         )
     if status["duplicate_of_self"]:
         lines.append(f"WARNING another daemon runs with this identity: "

@@ -242,7 +242,6 @@ class Daemon:
             ignored_records=self.discovery.ignored,
             refused_handshakes=self.transport.zap.denied,
             malformed_messages=self.transport.malformed,
-            junk_connections=self.transport.junk.count,
         )
         rooms = ops.Rooms(self.cluster, self.measuring, self.plans, self.serving, self.openai)
         return ops.status_document(me, counters, rooms)

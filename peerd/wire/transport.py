@@ -16,9 +16,7 @@ never waits behind a bulk transfer.
 A request is a message with a ``req`` field; the answer comes back over the same connection
 (ROUTER to DEALER) with the same ``req``, of a kind that answers it (``protocol.Asks``).
 Everything received is decoded by peerd.wire.protocol; a malformed message, or one on the
-wrong channel, is logged, counted and dropped. A connection to a ROUTER that is dropped before
-any handshake (bytes that are not ZMTP: a port scanner, a raw TCP client writing garbage) is
-counted as junk (`JunkCounter`).
+wrong channel, is logged, counted and dropped.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ from typing import Any, TypeVar, cast
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from peerd.wire import protocol
 from peerd.wire.identity import ClusterSecret, KeyPair
@@ -57,9 +54,6 @@ HANDSHAKE_FAILED = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
-
-HANDSHAKE_ENDED = zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED
-ROUTER_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_ENDED
 
 
 class TransportError(Exception):
@@ -100,31 +94,6 @@ class Incoming:
     peer_address: str
     msg: Message
     reply: Callable[[Message], None]
-
-
-class JunkCounter:
-    """Connections a ROUTER accepted and lost before any handshake event. libzmq reports no
-    handshake failure for bytes that are not ZMTP at all: it accepts the connection and drops
-    it. Accepting and dropping name the connection (its file descriptor), a handshake's end
-    does not, so an end is credited to the oldest connection still handshaking: exact unless
-    handshakes overlap, and then only which connection is counted when may shift."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._handshaking: dict[int, None] = {}  # descriptors, oldest first
-
-    def on_event(self, event: int, descriptor: int) -> None:
-        if event == zmq.EVENT_ACCEPTED:
-            self._handshaking[descriptor] = None
-        elif event == zmq.EVENT_DISCONNECTED:
-            if descriptor in self._handshaking:
-                del self._handshaking[descriptor]
-                self.count += 1
-                if _worth_logging(self.count):
-                    log.warning("a connection sent no ZeroMQ handshake (%d so far)",
-                                self.count)
-        elif event & HANDSHAKE_ENDED and self._handshaking:
-            del self._handshaking[next(iter(self._handshaking))]
 
 
 class _Dealer:
@@ -214,8 +183,6 @@ class Transport:
         self._tasks: list[asyncio.Task] = []
         self._requests = itertools.count(1)
         self.malformed = 0
-        self.junk = JunkCounter()
-        self._monitors: list[zmq.asyncio.Socket] = []
         self.ports: Ports | None = None
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -228,7 +195,6 @@ class Transport:
         for channel in (HELLO, CONTROL, DATA):
             keys = self._hello_server if channel == HELLO else self._keys
             sock = self._router(channel, keys)
-            self._watch(sock)
             bound[channel] = self._bind(sock, self._port + offsets[channel] if self._port else 0)
             self._routers[channel] = sock
             self._tasks.append(asyncio.create_task(self._serve(channel, sock), name=channel))
@@ -241,24 +207,10 @@ class Transport:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*closing, *self._tasks, return_exceptions=True)
-        for monitor in self._monitors:
-            monitor.close(linger=0)
         for future in self._pending.values():
             future.cancel()
         await self.zap.close()
         self._context.destroy(linger=0)
-
-    def _watch(self, router: zmq.asyncio.Socket) -> None:
-        """Feed the router's connection events to the junk counter (before it binds)."""
-        monitor = router.get_monitor_socket(ROUTER_EVENTS)
-        self._monitors.append(monitor)
-
-        async def watch() -> None:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())
-                self.junk.on_event(event["event"], event["value"])
-
-        self._tasks.append(asyncio.create_task(watch(), name="router-monitor"))
 
     def _router(self, channel: str, keys: KeyPair) -> zmq.asyncio.Socket:
         sock = self._socket(zmq.ROUTER, channel, keys)

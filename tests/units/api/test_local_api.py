@@ -36,7 +36,7 @@ def sample_status() -> dict:
         PeerFigures("aaaa", 2e10, 16 << 30, 8 << 30, 0.25, None, "tiny", ()),
         PeerFigures("bbbb", 1e10, 8 << 30, 2 << 30, 0.5, Battery(40, False), None, (1, 2)),
     ), (LinkFigures("aaaa", "bbbb", 0.0005, 5e7), LinkFigures("bbbb", "aaaa", 0.0004, 4e7)))
-    return status.build(ME, members, state, report, status.Counters(2, 1, 0, 0))
+    return status.build(ME, members, state, report, status.Counters(2, 1, 0))
 
 
 def test_status_document_has_the_contract_fields():
@@ -56,7 +56,7 @@ def test_status_document_has_the_contract_fields():
     assert peers["cccc"]["flops"] is None and peers["cccc"]["links"] == []
     assert document["plan"] is None
     assert document["security"] == {"ignored_records": 2, "refused_handshakes": 1,
-                                    "malformed_messages": 0, "junk_connections": 0}
+                                    "malformed_messages": 0}
     json.dumps(document)
 
 

@@ -21,7 +21,7 @@ def _document(plan: dict | None, model: dict | None) -> dict:
     state = election.Election(me=election.Candidate("aaaa", True, 2e10), epoch=2, leader="aaaa",
                               role=election.Role.LEADER)
     return status.build(ME, membership.Membership("aaaa", "i1"), state, None,
-                        status.Counters(0, 0, 0, 0), plan, model)
+                        status.Counters(0, 0, 0), plan, model)
 
 
 async def test_a_plan_shows_its_stages_prediction_and_the_model(tmp_path: Path):
