@@ -82,7 +82,7 @@ class ChatBody:
     prompt_ids: list[int] | None
     messages: list[dict[str, str]] | None
     prompt: str | None  # plain text, encoded without the chat template
-    max_tokens: int
+    max_tokens: int | None  # None: up to the end-of-sequence token or the context limit
     params: SamplingParams
     produced: tuple[int, ...] = ()  # resume_ids: tokens an earlier head already streamed
 
@@ -107,8 +107,10 @@ def parse_chat(request: dict[str, Any]) -> ChatBody:
         )
     ):
         raise invalid('"messages" must be a non-empty list of {"role", "content"} strings')
-    max_tokens = request.get("max_tokens", 32)
-    if type(max_tokens) is not int or not 1 <= max_tokens <= MAX_CHAT_TOKENS:
+    max_tokens = request.get("max_tokens")
+    if max_tokens is not None and (
+        type(max_tokens) is not int or not 1 <= max_tokens <= MAX_CHAT_TOKENS
+    ):
         raise invalid(f'"max_tokens" must be an integer from 1 to {MAX_CHAT_TOKENS}')
     try:
         params = SamplingParams(
@@ -124,7 +126,7 @@ def parse_chat(request: dict[str, Any]) -> ChatBody:
     produced = request.get("resume_ids", [])
     if not _token_ids(produced):
         raise invalid('"resume_ids" must be a list of integers, token ids >= 0')
-    if len(produced) >= max_tokens:
+    if max_tokens is not None and len(produced) >= max_tokens:
         raise invalid('"resume_ids" must be shorter than "max_tokens"')
     return ChatBody(prompt_ids, messages, prompt, max_tokens, params, tuple(produced))
 
@@ -174,6 +176,7 @@ class ChatService:
         if head is None:
             raise PeerdError("this peer is no longer the head; ask again", ErrorKind.UNAVAILABLE)
         prompt = self._prompt_ids(head, body)
+        max_tokens = _answer_limit(head, body.max_tokens, len(prompt))
         text = TextStream(head.tokenizer)
         for token in body.produced:
             text.add(token)
@@ -185,7 +188,7 @@ class ChatService:
             token_times.append(time.perf_counter())
             events.put_nowait({"event": "token", "token": token, "text": text.add(token)})
 
-        request = Request(prompt, body.params, body.max_tokens, head.stop_ids, body.produced)
+        request = Request(prompt, body.params, max_tokens, head.stop_ids, body.produced)
         generation = asyncio.create_task(head.answers.generate(request, on_token))
         generation.add_done_callback(lambda _: events.put_nowait(None))
         try:
@@ -200,7 +203,8 @@ class ChatService:
             generation.cancel()
         stats = _stats(answered, len(prompt), started, token_times)
         await send({"event": "done", "ok": True, "token_ids": answered.tokens,
-                    "text": text.text, "stats": stats})
+                    "text": text.text, "finish_reason": _finish_reason(head, answered.tokens),
+                    "stats": stats})
 
     def _prompt_ids(self, head: Head, body: ChatBody) -> list[int]:
         if body.prompt_ids is not None:
@@ -218,11 +222,6 @@ class ChatService:
                 prompt = head.tokenizer.conversation_ids(body.messages)
             except ModelError as exc:
                 raise invalid(str(exc)) from None
-        if len(prompt) + body.max_tokens > head.max_positions:
-            raise PeerdError(
-                f"{len(prompt)} prompt tokens + {body.max_tokens} new tokens exceed the "
-                f"model's {head.max_positions} positions", ErrorKind.PROMPT_TOO_LONG
-            )
         return prompt
 
     # -- forwarding --------------------------------------------------------------------------
@@ -342,6 +341,28 @@ class ChatService:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _answer_limit(head: Head, max_tokens: int | None, prompt_tokens: int) -> int:
+    """The most tokens the answer may have: `max_tokens` if given, else as many as the
+    context holds after the prompt (the model's positions, at most the plan's K/V reserve)."""
+    if max_tokens is not None:
+        if prompt_tokens + max_tokens > head.max_positions:
+            raise PeerdError(
+                f"{prompt_tokens} prompt tokens + {max_tokens} new tokens exceed the "
+                f"model's {head.max_positions} positions", ErrorKind.PROMPT_TOO_LONG
+            )
+        return max_tokens
+    context = min(head.max_positions, head.answers.kv_reserve_tokens or head.max_positions)
+    if prompt_tokens >= context:
+        raise PeerdError(f"{prompt_tokens} prompt tokens leave no room in the context of "
+                         f"{context} tokens", ErrorKind.PROMPT_TOO_LONG)
+    return context - prompt_tokens
+
+
+def _finish_reason(head: Head, tokens: list[int]) -> str:
+    """"stop" when the answer ended with an end-of-sequence token, else "length"."""
+    return "stop" if tokens and tokens[-1] in head.stop_ids else "length"
 
 
 def _check_vocabulary(prompt: list[int], vocab_size: int) -> None:
