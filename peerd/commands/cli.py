@@ -208,10 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="three peers on this machine serve the built-in model and answer a chat",
         description="Start three daemons on loopback with the built-in model (random "
         "weights: the answer is gibberish, the distributed machinery is real), wait until "
-        "the model is sharded, planned and deployed, show the cluster and stream an answer.",
+        "the model is sharded, planned and deployed, show the cluster and stream an answer. "
+        "The model's units are kept in $PEERD_CACHE_DIR, else $XDG_CACHE_HOME/peerd, else "
+        "~/.cache/peerd, so later runs skip sharding.",
     )
     p.add_argument("--dir", help="where to put the model and the peers' state (default: a "
-                   "new temporary directory)")
+                   "new temporary directory, removed when the demo ends)")
+    p.add_argument("--write-model", metavar="DIR", help="only write the built-in checkpoint "
+                   "to DIR (new or empty), to start on real devices with peerd start --model DIR")
     p.add_argument("--prompt", default="Hello! Tell me a story about the sea.")
     p.add_argument("--max-tokens", type=int, default=24, help="new tokens (default 24)")
     p.add_argument("--keep", action="store_true", help="leave the daemons running afterwards")
