@@ -8,7 +8,11 @@ connection cancels the answer on every peer, which is what Ctrl-C does.
 
 With `--prompt` or `--prompt-ids` it answers once and exits; with neither it is an interactive,
 multi-turn `Session`. Answers go to stdout; the prompt marker, notices and errors go to
-stderr, so `peerd chat < questions > answers` keeps only the answers.
+stderr, so `peerd chat < questions > answers` keeps only the answers. At a terminal the
+prompt has readline's line editing and a history kept in `<state-dir>/chat_history`.
+
+Without `--max-tokens` the request names no limit and the head lets the answer run to the
+end-of-sequence token or the context limit; an answer that ended at a limit says so.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +37,8 @@ ANSWER_TIMEOUT_S = None
 
 PROMPT = "you> "
 STOPPED = "[answer stopped]"
+HISTORY_NAME = "chat_history"  # in the state directory
+HISTORY_LENGTH = 1000  # lines kept
 BANNER = "peerd chat: type a message; /help lists commands; Ctrl-C stops an answer, Ctrl-D leaves."
 HELP = """\
 /reset  forget the conversation so far
@@ -52,19 +59,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.json:
         raise PeerdError("--json needs --prompt or --prompt-ids")
     call(state_dir, {"op": "status"})  # no daemon: say so now, not after the first message
-    return Session(state_dir, settings).run()
+    return Session(state_dir, settings, _lines(state_dir / HISTORY_NAME)).run()
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The request's sampling settings; no "max_tokens" without --max-tokens."""
+    settings = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                "seed": args.seed}
+    if args.max_tokens is None:
+        return settings
     if args.max_tokens < 1:
         raise PeerdError(f"--max-tokens must be at least 1, not {args.max_tokens}")
-    return {
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "seed": args.seed,
-    }
+    return {"max_tokens": args.max_tokens, **settings}
 
 
 class NoTokenizer(PeerdError):
@@ -74,7 +80,8 @@ class NoTokenizer(PeerdError):
 def _answer_once(state_dir: Path, request: dict[str, Any], as_json: bool) -> int:
     if as_json:
         done = stream_answer(state_dir, request)
-        print(json.dumps({k: done[k] for k in ("token_ids", "text", "stats")}))
+        print(json.dumps({k: done.get(k) for k in ("token_ids", "text", "finish_reason",
+                                                     "stats")}))
     else:
         _answer_line(state_dir, request)
     return 0
@@ -104,11 +111,23 @@ def _refuse(answer: dict[str, Any]) -> None:
 
 
 def _answer_line(state_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
-    """Stream an answer to stdout as it comes; the line is ended even if the answer is not."""
+    """Stream an answer to stdout as it comes; the line is ended even if the answer is not.
+    An answer cut short by a limit is followed by a notice saying which."""
     try:
-        return stream_answer(state_dir, request, _print_piece)
+        done = stream_answer(state_dir, request, _print_piece)
     finally:
         _print_piece("\n")
+    if done.get("finish_reason") == "length":
+        _say(cut_notice(request.get("max_tokens"), done))
+    return done
+
+
+def cut_notice(max_tokens: int | None, done: dict[str, Any]) -> str:
+    """What an answer that stopped at a limit rather than at its end says."""
+    if max_tokens is not None:
+        return f"[stopped at --max-tokens {max_tokens}]"
+    context = done["stats"]["prompt_tokens"] + len(done["token_ids"])
+    return f"[stopped at the context limit of {context} tokens]"
 
 
 def _print_piece(text: str) -> None:
@@ -128,11 +147,12 @@ class Session:
 
     state_dir: Path
     settings: dict[str, Any]
+    read_line: Callable[[], str | None]
     messages: list[Message] = field(default_factory=list)
 
     def run(self) -> int:
         _say(BANNER)
-        while (line := _read_line()) is not None:
+        while (line := self.read_line()) is not None:
             try:
                 if not self._take(line.strip()):
                     break
@@ -171,6 +191,13 @@ class Session:
         self.messages = [*asked, {"role": "assistant", "content": done["text"]}]
 
 
+def _lines(history: Path) -> Callable[[], str | None]:
+    """How the session reads its lines: edited at a terminal, else as they come on stdin."""
+    if sys.stdin.isatty() and sys.stderr.isatty():
+        return EditedLines(history).read
+    return _read_line
+
+
 def _read_line() -> str | None:
     """The next line typed after the prompt; None at end of input or on Ctrl-C."""
     try:
@@ -182,3 +209,58 @@ def _read_line() -> str | None:
         _say("")  # the shell's prompt then starts on a line of its own
         return None
     return line
+
+
+class EditedLines:
+    """Lines typed at a terminal with readline's editing (arrow keys, Ctrl-R, ...) and a
+    history that outlives the session: each line is appended to the history file as it is
+    entered, so the history is saved however the session ends; the file keeps the last
+    HISTORY_LENGTH lines."""
+
+    def __init__(self, history: Path) -> None:
+        import readline  # only at a terminal: it may write terminal codes when imported
+
+        self.readline = readline
+        self.history: Path | None = history
+        readline.set_auto_history(False)  # added by hand: no blank or repeated lines
+        readline.set_history_length(HISTORY_LENGTH)
+        try:
+            history.touch(mode=0o600)  # what was asked is the user's own business
+            readline.read_history_file(history)
+        except OSError as exc:
+            self.history = None
+            _say(f"[no chat history: cannot use {history}: {exc.strerror}]")
+
+    def read(self) -> str | None:
+        """The next line; None at end of input (Ctrl-D) or on Ctrl-C."""
+        try:
+            line = _prompted_input()
+        except (EOFError, KeyboardInterrupt):
+            _say("")
+            return None
+        self._remember(line)
+        return line
+
+    def _remember(self, line: str) -> None:
+        readline = self.readline
+        length = readline.get_current_history_length()
+        if not line.strip() or (length and readline.get_history_item(length) == line):
+            return
+        readline.add_history(line)
+        if self.history is not None:
+            with contextlib.suppress(OSError):  # a full disk loses history, not the chat
+                readline.append_history_file(1, self.history)
+
+
+def _prompted_input() -> str:
+    """input() with the prompt and the line being edited on stderr. input() edits with
+    readline only when file descriptor 1 is a terminal, and draws there: 1 points at stderr
+    while it reads, so answers piped from stdout never hold the prompt."""
+    sys.stdout.flush()
+    stdout = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        return input(PROMPT)
+    finally:
+        os.dup2(stdout, 1)
+        os.close(stdout)

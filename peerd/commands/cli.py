@@ -34,8 +34,13 @@ def _add_state_dir(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=32, help="new tokens to generate (default 32)")
+def _add_sampling(p: argparse.ArgumentParser, max_tokens_help: str | None = None) -> None:
+    """The sampling flags; `max_tokens_help` given: --max-tokens has no default, and says so."""
+    if max_tokens_help is None:
+        p.add_argument("--max-tokens", type=int, default=32,
+                       help="new tokens to generate (default 32)")
+    else:
+        p.add_argument("--max-tokens", type=int, help=max_tokens_help)
     p.add_argument(
         "--temperature", type=float, default=0.0, help="0 means greedy (default 0)"
     )
@@ -164,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="chat with the cluster through the local daemon")
     _add_state_dir(p)
     _add_prompt(p, required=False)
-    _add_sampling(p)
+    _add_sampling(p, max_tokens_help="new tokens at most (default: until the model's "
+                  "end-of-sequence token or the context limit)")
     p.add_argument("--json", action="store_true", help="print one JSON object when done")
     p.set_defaults(handler="peerd.commands.chat:cmd_chat")
 
@@ -202,10 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="three peers on this machine serve the built-in model and answer a chat",
         description="Start three daemons on loopback with the built-in model (random "
         "weights: the answer is gibberish, the distributed machinery is real), wait until "
-        "the model is sharded, planned and deployed, show the cluster and stream an answer.",
+        "the model is sharded, planned and deployed, show the cluster and stream an answer. "
+        "The model's units are kept in $PEERD_CACHE_DIR, else $XDG_CACHE_HOME/peerd, else "
+        "~/.cache/peerd, so later runs skip sharding.",
     )
     p.add_argument("--dir", help="where to put the model and the peers' state (default: a "
-                   "new temporary directory)")
+                   "new temporary directory, removed when the demo ends)")
+    p.add_argument("--write-model", metavar="DIR", help="only write the built-in checkpoint "
+                   "to DIR (new or empty), to start on real devices with peerd start --model DIR")
     p.add_argument("--prompt", default="Hello! Tell me a story about the sea.")
     p.add_argument("--max-tokens", type=int, default=24, help="new tokens (default 24)")
     p.add_argument("--keep", action="store_true", help="leave the daemons running afterwards")

@@ -1,7 +1,9 @@
 """Several real daemons on this machine, on loopback, serving one model together.
 
 Used by `peerd demo` and the benchmarks. The model is sharded first into the model peer's
-shard cache (which that peer's daemon then finds ready); every peer gets a memory budget
+shard cache (which that peer's daemon then finds ready); that cache may be a directory that
+outlives the cluster (`shard_cache`: the model peer's `shards` is then a link to it), where
+the units of an earlier run with the same key are reused. Every peer gets a memory budget
 (by default one under which only all of them together can hold the model); the non-model
 peers find the model peer as a static `--peer`, since multicast on the loopback interface
 is not something to count on. Entering the context returns once the cluster has settled:
@@ -26,6 +28,7 @@ from peerd.errors import PeerdError
 from peerd.wire import identity
 from peerd.wire.states import ModelState
 from planner.model import Cluster
+from shards.cli import SHARDS_SUBDIR
 from shards.manifest import Manifest
 
 BETA = Cluster(source="", devices=()).beta  # the share of its budget a peer offers
@@ -42,11 +45,13 @@ class LocalCluster:
                  progress: Callable[[str], None] = print, holders: int | None = None,
                  cpus: Sequence[Sequence[int]] | None = None, extra: Sequence[str] = (),
                  peer_args: Sequence[Sequence[str]] = (),
-                 shares: Sequence[float] | None = None) -> None:
+                 shares: Sequence[float] | None = None,
+                 shard_cache: Path | None = None) -> None:
         """`holders`: how many peers it takes to hold the model (default: all of them);
         `shares`: instead, per peer, the fraction of the model it has memory for;
         `cpus`: per peer, the cores its daemon is pinned to; `extra`: more `peerd start`
-        arguments for every peer, `peer_args`: for peer i, its own."""
+        arguments for every peer, `peer_args`: for peer i, its own; `shard_cache`: where
+        the model peer's shard cache is kept."""
         self.root, self.model_dir, self.count = Path(root), Path(model_dir), peers
         self.progress = progress
         self.shares = list(shares or [holder_share(holders or peers)] * peers)
@@ -55,11 +60,14 @@ class LocalCluster:
         self.peer_args = [tuple(a) for a in peer_args]
         self._args: dict[int, tuple] = {}
         self.dirs: list[Path] = []
+        self.shard_cache = shard_cache
         self.manifest: Manifest | None = None
         self._processes: list[subprocess.Popen] = []
 
     def __enter__(self) -> LocalCluster:
         self.dirs = _cluster_dirs(self.root, self.count)
+        if self.shard_cache is not None:
+            _link_shard_cache(self.dirs[0], self.shard_cache)
         self.manifest = _shard(self.model_dir, self.dirs[0], self.progress)
         budgets = [budget_share(self.manifest, share) for share in self.shares]
         try:
@@ -130,16 +138,31 @@ def _cluster_dirs(root: Path, count: int) -> list[Path]:
     return dirs
 
 
+def _link_shard_cache(state_dir: Path, cache: Path) -> None:
+    """Make `cache` the shard cache of the peer at `state_dir`, unless it has one of its own."""
+    link = state_dir / SHARDS_SUBDIR
+    cache.mkdir(parents=True, exist_ok=True)
+    if not link.exists() and not link.is_symlink():
+        link.symlink_to(cache.resolve(), target_is_directory=True)
+
+
 def _shard(model_dir: Path, state_dir: Path, progress: Callable[[str], None]) -> Manifest:
-    """Shard into the model peer's cache, with progress on stderr; the manifest."""
-    progress("sharding the model into ONNX units (once; later runs reuse them):")
+    """Shard into the model peer's cache, or find the units there from an earlier run, with
+    progress on stderr; the manifest."""
+    progress("the model's ONNX units: made once, then reused")
     done = subprocess.run(
         [sys.executable, "-m", "peerd", "shard", str(model_dir), "--json"],
         stdout=subprocess.PIPE, text=True, env={**os.environ, "PEERD_STATE_DIR": str(state_dir)},
     )
     if done.returncode != 0:
         raise PeerdError("sharding the model failed (see above)")
-    return Manifest.load(Path(json.loads(done.stdout)["directory"]))
+    result = json.loads(done.stdout)
+    directory, stats = Path(result["directory"]).resolve(), result["stats"]
+    if stats["exported"]:
+        progress(f"  made {len(result['units'])} units in {stats['seconds']:.1f}s: {directory}")
+    else:
+        progress(f"  reused the {len(result['units'])} units in {directory}")
+    return Manifest.load(directory)
 
 
 def budget_for(manifest: Manifest, peers: int, spare: float = SPARE) -> str:

@@ -101,6 +101,11 @@ class Answers:
     def plane(self) -> DataPlane | None:
         return self._now.plane
 
+    @property
+    def kv_reserve_tokens(self) -> int:
+        """Positions of K/V the plan reserves for all answers together (0: no limit)."""
+        return self._now.kv_tokens
+
     async def _recheck_room(self) -> None:
         async with self._room:
             self._room.notify_all()

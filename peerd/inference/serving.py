@@ -90,7 +90,7 @@ class ChatBody:
     prompt_ids: list[int] | None
     messages: list[dict[str, str]] | None
     prompt: str | None  # plain text, encoded without the chat template
-    max_tokens: int
+    max_tokens: int | None  # None: up to the end-of-sequence token or the context limit
     params: SamplingParams
     produced: tuple[int, ...] = ()  # resume_ids: tokens an earlier head already streamed
     stops: tuple[str, ...] = ()  # the text ends before the first of these that appears
@@ -116,8 +116,10 @@ def parse_chat(request: dict[str, Any]) -> ChatBody:
         )
     ):
         raise invalid('"messages" must be a non-empty list of {"role", "content"} strings')
-    max_tokens = request.get("max_tokens", 32)
-    if type(max_tokens) is not int or not 1 <= max_tokens <= MAX_CHAT_TOKENS:
+    max_tokens = request.get("max_tokens")
+    if max_tokens is not None and (
+        type(max_tokens) is not int or not 1 <= max_tokens <= MAX_CHAT_TOKENS
+    ):
         raise invalid(f'"max_tokens" must be an integer from 1 to {MAX_CHAT_TOKENS}')
     try:
         params = SamplingParams(
@@ -134,7 +136,7 @@ def parse_chat(request: dict[str, Any]) -> ChatBody:
     produced = request.get("resume_ids", [])
     if not _token_ids(produced):
         raise invalid('"resume_ids" must be a list of integers, token ids >= 0')
-    if len(produced) >= max_tokens:
+    if max_tokens is not None and len(produced) >= max_tokens:
         raise invalid('"resume_ids" must be shorter than "max_tokens"')
     return ChatBody(prompt_ids, messages, prompt, max_tokens, params, tuple(produced),
                     _stops(request.get("stop")))
@@ -200,6 +202,7 @@ class ChatService:
         if head is None:
             raise PeerdError("this peer is no longer the head; ask again", ErrorKind.UNAVAILABLE)
         prompt = self._prompt_ids(head, body)
+        max_tokens = _answer_limit(head, body.max_tokens, len(prompt))
         text, stops = TextStream(head.tokenizer), StopStrings(body.stops)
         for token in body.produced:  # handed out by an earlier head, as this one would have
             stops.add(text.add(token))
@@ -218,7 +221,7 @@ class ChatService:
             events.put_nowait(event)
             return stops.stopped
 
-        request = Request(prompt, body.params, body.max_tokens, head.stop_ids, body.produced)
+        request = Request(prompt, body.params, max_tokens, head.stop_ids, body.produced)
         generation = asyncio.create_task(head.answers.generate(request, on_token))
         generation.add_done_callback(lambda _: events.put_nowait(None))
         try:
@@ -232,9 +235,8 @@ class ChatService:
         finally:
             generation.cancel()
         stats = _stats(answered, len(prompt), started, token_times)
-        ended = stops.stopped or bool(answered.tokens) and answered.tokens[-1] in head.stop_ids
         await send({"event": "done", "ok": True, "token_ids": answered.tokens,
-                    "text": stops.text, "finish_reason": "stop" if ended else "length",
+                    "text": stops.text, "finish_reason": _finish_reason(head, answered, stops),
                     "stats": stats})
 
     def _prompt_ids(self, head: Head, body: ChatBody) -> list[int]:
@@ -253,11 +255,6 @@ class ChatService:
                 prompt = head.tokenizer.conversation_ids(body.messages)
             except ModelError as exc:
                 raise invalid(str(exc)) from None
-        if len(prompt) + body.max_tokens > head.max_positions:
-            raise PeerdError(
-                f"{len(prompt)} prompt tokens + {body.max_tokens} new tokens exceed the "
-                f"model's {head.max_positions} positions", ErrorKind.PROMPT_TOO_LONG
-            )
         return prompt
 
     # -- forwarding --------------------------------------------------------------------------
@@ -393,6 +390,30 @@ def _token_entry(tokenizer: Tokenizer | None, token: int, logprob: float) -> dic
     text = (f"token_id:{token}" if tokenizer is None
             else tokenizer.decode([token], skip_special_tokens=False))
     return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "token_id": token}
+
+
+def _answer_limit(head: Head, max_tokens: int | None, prompt_tokens: int) -> int:
+    """The most tokens the answer may have: `max_tokens` if given, else as many as the
+    context holds after the prompt (the model's positions, at most the plan's K/V reserve)."""
+    if max_tokens is not None:
+        if prompt_tokens + max_tokens > head.max_positions:
+            raise PeerdError(
+                f"{prompt_tokens} prompt tokens + {max_tokens} new tokens exceed the "
+                f"model's {head.max_positions} positions", ErrorKind.PROMPT_TOO_LONG
+            )
+        return max_tokens
+    context = min(head.max_positions, head.answers.kv_reserve_tokens or head.max_positions)
+    if prompt_tokens >= context:
+        raise PeerdError(f"{prompt_tokens} prompt tokens leave no room in the context of "
+                         f"{context} tokens", ErrorKind.PROMPT_TOO_LONG)
+    return context - prompt_tokens
+
+
+def _finish_reason(head: Head, answered: Answered, stops: StopStrings) -> str:
+    """"stop" when the answer ended with a stop string or an end-of-sequence token, else
+    "length" (max_tokens or the context limit)."""
+    ended = bool(answered.tokens) and answered.tokens[-1] in head.stop_ids
+    return "stop" if stops.stopped or ended else "length"
 
 
 def _check_vocabulary(prompt: list[int], vocab_size: int) -> None:

@@ -2,10 +2,12 @@
 
 The interactive session runs under a pseudo-terminal that is its controlling terminal, so
 Ctrl-C is the terminal's own: the test types the ^C character and the terminal sends SIGINT
-to the session. Answers are compared with transformers' greedy answer to the whole
-conversation so far, turned into ids by the model's chat template as the head does. The
-model is a 2-layer BLOOM: ALiBi leaves room (2048 positions) for an answer long enough to
-stop half-way, and the test session has sharded it already.
+to the session, and the up arrow is the bytes a terminal sends for it. Answers are compared
+with transformers' greedy answer to the whole conversation so far, turned into ids by the
+model's chat template as the head does. The model is a 2-layer BLOOM: ALiBi leaves room (2048
+positions) for an answer long enough to stop half-way, and the test session has sharded it
+already. It never makes its end-of-sequence token; the test that needs one gives the same
+weights another.
 """
 
 from __future__ import annotations
@@ -25,14 +27,18 @@ from pathlib import Path
 import pytest
 from sharding import reference, seed_shard_cache
 
-from peerd.commands.chat import PROMPT, STOPPED
+from peerd.commands.chat import HISTORY_NAME, PROMPT, STOPPED
 from peerd.commands.local_cluster import LocalCluster
+from shards.config import read_checkpoint_config
 from shards.tokenizer import TextStream, Tokenizer
 
 PEERD = [sys.executable, "-m", "peerd"]
 SHORT, LONG = 24, 2000  # new tokens: turns compared with transformers; the answer stopped
 ANSWER_S = 120
 FREED_S = 10
+UP = b"\x1b[A"  # the up arrow, as a terminal sends it
+OLD_DEFAULT = 32  # the new tokens an answer stopped at before it ran to its end by default
+QUESTION = "one two three"  # the BLOOM's answer makes a new token after OLD_DEFAULT of them
 
 
 @pytest.fixture(scope="module")
@@ -131,10 +137,25 @@ def _chat(state_dir: Path, *args: str) -> list[str]:
 
 def _expected(model_dir: Path, messages: list[dict[str, str]], new_tokens: int) -> str:
     """The text of transformers' greedy answer to the conversation, as the head streams it."""
-    tokenizer = Tokenizer.from_dir(model_dir)
-    prompt = tuple(tokenizer.conversation_ids(messages))
-    tokens, _ = reference(model_dir, prompt, new_tokens, stop_at_eos=True)
-    text = TextStream(tokenizer)
+    return _text(model_dir, _greedy(model_dir, messages, new_tokens))
+
+
+def _printed(model_dir: Path, messages: list[dict[str, str]], max_tokens: int) -> str:
+    """What the session prints for that answer when asked with `--max-tokens`: its text and,
+    when it stopped there rather than at an end-of-sequence token, a notice saying so."""
+    tokens = _greedy(model_dir, messages, max_tokens)
+    ended = tokens[-1] in read_checkpoint_config(model_dir).eos_token_ids
+    notice = "" if ended else f"\n[stopped at --max-tokens {max_tokens}]"
+    return _text(model_dir, tokens) + notice
+
+
+def _greedy(model_dir: Path, messages: list[dict[str, str]], new_tokens: int) -> list[int]:
+    prompt = tuple(Tokenizer.from_dir(model_dir).conversation_ids(messages))
+    return reference(model_dir, prompt, new_tokens, stop_at_eos=True)[0]
+
+
+def _text(model_dir: Path, tokens: list[int]) -> str:
+    text = TextStream(Tokenizer.from_dir(model_dir))
     for token in tokens:
         text.add(token)
     return text.text
@@ -163,21 +184,55 @@ def test_a_terminal_session_is_one_conversation_until_reset(cluster, model_dir):
     try:
         session.read_until(PROMPT)
         session.type(f"{first}\n".encode())
-        answer = session.answer()
-        assert answer == _expected(model_dir, [_user(first)], SHORT)
+        assert session.answer() == _printed(model_dir, [_user(first)], SHORT)
 
         session.type(f"{second}\n".encode())
+        answer = _expected(model_dir, [_user(first)], SHORT)
         conversation = [_user(first), {"role": "assistant", "content": answer}, _user(second)]
-        expected = _expected(model_dir, conversation, SHORT)
-        assert expected != _expected(model_dir, [_user(second)], SHORT), "the history matters"
+        expected = _printed(model_dir, conversation, SHORT)
+        assert expected != _printed(model_dir, [_user(second)], SHORT), "the history matters"
         assert session.answer() == expected
 
         session.type(b"/reset\n")
         assert "cleared" in session.read_until(PROMPT)
         session.type(f"{third}\n".encode())
-        assert session.answer() == _expected(model_dir, [_user(third)], SHORT)
+        assert session.answer() == _printed(model_dir, [_user(third)], SHORT)
 
         session.type(b"\x03")  # Ctrl-C at the prompt leaves
+        assert session.process.wait(timeout=10) == 0
+    finally:
+        session.close()
+
+
+@pytest.mark.cluster
+def test_the_up_arrow_asks_an_earlier_question_again_in_this_session_and_the_next(
+    cluster, model_dir
+):
+    question = "hello world"
+    history = cluster.dirs[0] / HISTORY_NAME
+    history.unlink(missing_ok=True)  # the other sessions here run on peer1
+    expected = _printed(model_dir, [_user(question)], SHORT)
+    session = Terminal(_chat(cluster.dirs[0], "--max-tokens", str(SHORT)))
+    try:
+        session.read_until(PROMPT)
+        session.type(f"{question}\n".encode())
+        assert session.answer() == expected
+        session.type(b"/reset\n")
+        assert "cleared" in session.read_until(PROMPT)
+        session.type(UP + UP + b"\n")  # past /reset to the question
+        assert session.answer() == expected, "the same question, asked afresh"
+        session.type(b"\x04")
+        assert session.process.wait(timeout=10) == 0
+    finally:
+        session.close()
+    assert history.read_text().splitlines() == [question, "/reset", question]
+
+    session = Terminal(_chat(cluster.dirs[0], "--max-tokens", str(SHORT)))
+    try:
+        session.read_until(PROMPT)
+        session.type(UP + b"\n")
+        assert session.answer() == expected
+        session.type(b"\x03")
         assert session.process.wait(timeout=10) == 0
     finally:
         session.close()
@@ -258,6 +313,42 @@ def test_a_model_without_a_tokenizer_asks_for_token_ids(model_dir, tmp_path):
         assert ids.returncode == 0, ids.stderr
         expected, _ = reference(bare, (5, 6, 7), SHORT, stop_at_eos=True)
         assert json.loads(ids.stdout)["token_ids"] == expected
+
+
+@pytest.fixture(scope="module")
+def eos_model(hf_checkpoint, model_dir) -> Path:
+    """The module's BLOOM (the same weights) with, as its end-of-sequence token, the first
+    token its greedy answer to QUESTION makes anew after OLD_DEFAULT tokens: an answer that
+    runs to its end makes more than the old default."""
+    tokens = _greedy(model_dir, [_user(QUESTION)], 2 * OLD_DEFAULT)
+    end = next(i for i in range(OLD_DEFAULT, len(tokens)) if tokens[i] not in tokens[:i])
+    eos_dir = hf_checkpoint("bloom", eos_token_id=tokens[end])
+    assert _greedy(eos_dir, [_user(QUESTION)], 2 * OLD_DEFAULT) == tokens[: end + 1]
+    return eos_dir
+
+
+@pytest.mark.cluster
+def test_an_answer_runs_to_its_end_unless_max_tokens_cuts_it_which_is_said(eos_model, tmp_path):
+    expected = _greedy(eos_model, [_user(QUESTION)], 2 * OLD_DEFAULT)
+    with _cluster(tmp_path / "cluster", eos_model, peers=1) as cluster:
+        whole = subprocess.run(_chat(cluster.dirs[0], "--prompt", QUESTION, "--json"),
+                               capture_output=True, timeout=ANSWER_S)
+        assert whole.returncode == 0, whole.stderr
+        done = json.loads(whole.stdout)
+        assert done["token_ids"] == expected and len(expected) > OLD_DEFAULT
+        assert done["finish_reason"] == "stop"
+
+        printed = subprocess.run(_chat(cluster.dirs[0], "--prompt", QUESTION),
+                                 capture_output=True, timeout=ANSWER_S)
+        assert printed.returncode == 0, printed.stderr
+        assert printed.stdout.decode() == _text(eos_model, expected) + "\n"
+        assert printed.stderr == b""
+
+        cut = subprocess.run(_chat(cluster.dirs[0], "--prompt", QUESTION, "--max-tokens", "8"),
+                             capture_output=True, timeout=ANSWER_S)
+        assert cut.returncode == 0, cut.stderr
+        assert cut.stdout.decode() == _text(eos_model, expected[:8]) + "\n"
+        assert cut.stderr.decode() == "[stopped at --max-tokens 8]\n"
 
 
 def test_a_session_without_a_daemon_fails_before_the_first_prompt(tmp_path):

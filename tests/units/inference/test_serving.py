@@ -1,6 +1,7 @@
 """Chats served on the head and forwarded from other peers, over real transports."""
 
 import asyncio
+import dataclasses
 
 import pytest
 from ring import reference, running_ring
@@ -102,6 +103,37 @@ async def test_errors_on_the_head_reach_a_forwarding_client_as_error_events(ring
         {"ok": False, "error": "3 prompt tokens + 100 new tokens exceed the model's 64 positions",
          "kind": "prompt_too_long"}
     ]
+
+
+@pytest.mark.parametrize("asked_on", [0, 2], ids=["head", "forwarded"])
+async def test_without_max_tokens_an_answer_runs_to_the_context_limit(toy, ring, asked_on):
+    positions = ring[0].chat.head.max_positions
+    client = Client()
+    await asyncio.wait_for(ring[asked_on].chat.op_chat({"prompt_ids": PROMPT}, client.send), 20)
+    done = client.events[-1]
+    assert done["token_ids"] == reference(toy[0], PROMPT, positions - len(PROMPT))
+    assert done["finish_reason"] == "length"
+
+
+async def test_the_plans_kv_reserve_is_the_context_limit_when_smaller(toy, ring):
+    head = ring[0]
+    head.answers.use(head.plane, kv_tokens=20)
+    client = Client()
+    await asyncio.wait_for(head.chat.op_chat({"prompt_ids": PROMPT}, client.send), 20)
+    assert client.events[-1]["token_ids"] == reference(toy[0], PROMPT, 20 - len(PROMPT))
+    with pytest.raises(PeerdError, match="20 prompt tokens leave no room in the context of 20"):
+        await head.chat.op_chat({"prompt_ids": [1] * 20}, Client().send)
+
+
+async def test_an_answer_that_ends_with_an_end_of_sequence_token_says_so(toy, ring):
+    expected = reference(toy[0], PROMPT, 5)
+    head = ring[0].chat
+    head.head = dataclasses.replace(head.head, stop_ids=frozenset({expected[0]}))
+    for request in ({"prompt_ids": PROMPT}, {"prompt_ids": PROMPT, "max_tokens": 5}):
+        client = Client()
+        await asyncio.wait_for(head.op_chat(request, client.send), 20)
+        done = client.events[-1]
+        assert done["token_ids"] == expected[:1] and done["finish_reason"] == "stop"
 
 
 async def test_text_prompts_need_a_tokenizer(ring):
