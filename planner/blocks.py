@@ -12,7 +12,8 @@ plan) and the objective's lower bound (1 model time unit = lower bound / SCALE):
 - latency: the block's compute, plus the other units' compute at best, plus the hops into
   and out of the block, plus the return, must stay within the upper bound. "At best" puts
   the other units on the fastest other devices, each taking at most its memory times the
-  densest unit's FLOPs per byte.
+  densest unit's FLOPs per byte, at its fastest seconds per FLOP (measured units count at
+  their measured seconds per FLOP, so the bound holds with measured times too).
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.cost import MEMORY_SLACK, capacity, memory_need, seconds_per_flop
+from planner.cost import (
+    MEMORY_SLACK,
+    capacity,
+    compute_table,
+    fastest_seconds_per_flop,
+    memory_need,
+)
 from planner.model import Cluster, Device, Workload
 
 SCALE = 1000.0  # the objective's lower bound, in model units
@@ -54,12 +61,12 @@ def candidate_blocks(cluster: Cluster, workload: Workload, devices: list[Device]
     need = np.concatenate([[0.0], np.cumsum([memory_need(cluster, u) for u in workload.units])])
     span, load = flops[None, :] - flops[:, None], need[None, :] - need[:, None]
     first, stop = np.triu_indices(len(flops), k=1)
-    spf = np.array([seconds_per_flop(cluster, d) for d in devices]) / bounds.tau
+    fastest = [fastest_seconds_per_flop(cluster, workload, d) for d in devices]
     rooms = np.array([capacity(cluster, d) for d in devices]) * (1 + MEMORY_SLACK)
-    rest = _RestCompute(flops, need, spf, rooms)
+    rest = _RestCompute(flops, need, np.array(fastest) / bounds.tau, rooms)
     device, start, end, cost = [], [], [], []
     for d in range(len(devices)):
-        compute = span * spf[d]
+        compute = compute_table(cluster, workload, devices[d]).spans() / bounds.tau
         fits = load <= rooms[d]
         keep = fits[first, stop] & ((first == 0) == (d == 0))
         keep &= (stop < len(flops) - 1) | np.isfinite(bounds.back[d])  # the result goes home
@@ -95,7 +102,8 @@ def _latency_keep(work: np.ndarray, first: np.ndarray, stop: np.ndarray, d: int,
 
 
 class _RestCompute:
-    """The least compute the units outside a block could take on the other devices."""
+    """The least compute the units outside a block could take on the other devices
+    (`spf`: each device's fastest seconds per FLOP, in model units)."""
 
     def __init__(self, flops: np.ndarray, need: np.ndarray, spf: np.ndarray,
                  rooms: np.ndarray) -> None:

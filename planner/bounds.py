@@ -19,8 +19,9 @@ from planner.baselines import even_split, memory_split
 from planner.cost import (
     MEMORY_SLACK,
     capacity,
+    compute_table,
+    fastest_seconds_per_flop,
     memory_need,
-    seconds_per_flop,
     usable_devices,
 )
 from planner.dp import ordered_stages
@@ -29,32 +30,41 @@ from planner.model import Cluster, Device, Stage, Workload
 
 
 def lower_bound(cluster: Cluster, workload: Workload, objective: str) -> float:
+    usable = usable_devices(cluster)
+    if objective == "latency":  # every unit on the peer where it is quickest
+        return float(np.min([_unit_seconds(cluster, workload, d) for d in usable],
+                            axis=0).sum())
     flops = sum(u.flops for u in workload.units)
-    speeds = [1 / seconds_per_flop(cluster, d) for d in usable_devices(cluster)]
-    if objective == "latency":
-        return flops / max(speeds)
+    speeds = [1 / fastest_seconds_per_flop(cluster, workload, d) for d in usable]
     return _windows_bound(cluster, workload, flops / sum(speeds))
+
+
+def _unit_seconds(cluster: Cluster, workload: Workload, device: Device) -> np.ndarray:
+    return np.diff(compute_table(cluster, workload, device).prefix())
 
 
 def _windows_bound(cluster: Cluster, workload: Workload, low: float) -> float:
     """The least bottleneck T at which the peers' largest blocks could cover all the flops:
     each peer's largest contiguous block costing <= T that fits its memory (the source's
-    must start at unit 0), summed over peers, must reach the total."""
+    must start at unit 0), summed over peers, must reach the total. (The FLOPs only weigh the
+    units: blocks partition them whatever each unit costs, so this holds with measured
+    times.)"""
     flops = np.concatenate([[0.0], np.cumsum([u.flops for u in workload.units])])
     need = np.concatenate([[0.0], np.cumsum([memory_need(cluster, u) for u in workload.units])])
-    peers = [(seconds_per_flop(cluster, d), capacity(cluster, d) * (1 + MEMORY_SLACK),
+    peers = [(compute_table(cluster, workload, d), capacity(cluster, d) * (1 + MEMORY_SLACK),
               d.id == cluster.source) for d in usable_devices(cluster)]
 
     def covered(limit: float) -> float:
         total = 0.0
-        for spf, room, source in peers:
-            starts = np.arange(1 if source else len(flops) - 1)
-            end = np.minimum(np.searchsorted(flops, flops[starts] + limit / spf, "right"),
-                             np.searchsorted(need, need[starts] + room, "right")) - 1
-            total += (flops[end] - flops[starts]).max()
+        for table, room, source in peers:
+            seconds, starts = table.prefix(), np.arange(1 if source else len(flops) - 1)
+            end = np.minimum(
+                np.searchsorted(seconds, seconds[starts] + limit - table.overhead, "right"),
+                np.searchsorted(need, need[starts] + room, "right")) - 1
+            total += (flops[np.maximum(end, starts)] - flops[starts]).max()
         return total
 
-    high = flops[-1] * max(spf for spf, _, _ in peers)
+    high = max(table.total for table, _, _ in peers)
     enough = flops[-1] * (1 - 1e-12)  # sums of differences of prefix sums round
     if covered(high) < enough:
         return low
@@ -80,7 +90,7 @@ def quick_plans(cluster: Cluster, workload: Workload, objective: str) -> list[li
     """The plans of the baselines and of the fixed-order recurrences (some may be invalid)."""
     source = cluster.device(cluster.source)
     others = [d for d in usable_devices(cluster) if d.id != cluster.source]
-    orders = [sorted(others, key=lambda d: seconds_per_flop(cluster, d)),
+    orders = [sorted(others, key=lambda d: compute_table(cluster, workload, d).total),
               sorted(others, key=lambda d: -d.memory_available),
               _nearest_first(cluster, source, others)]
     makers: list[Callable[[], list[Stage] | None]] = [

@@ -20,7 +20,7 @@ from typing import TypeVar
 import numpy as np
 
 from planner.constraints import violations
-from planner.cost import MEMORY_SLACK, capacity, memory_need, seconds_per_flop, usable_devices
+from planner.cost import MEMORY_SLACK, capacity, compute_table, memory_need, usable_devices
 from planner.errors import Infeasible, PlannerError
 from planner.model import Cluster, Device, Stage, Workload
 
@@ -39,17 +39,17 @@ class _Tables:
         self.cluster, self.devices = cluster, devices
         self.latency = objective == "latency"
         self.units = len(workload.units)
-        flops = np.concatenate([[0.0], np.cumsum([u.flops for u in workload.units])])
         need = np.concatenate(
             [[0.0], np.cumsum([memory_need(cluster, u) for u in workload.units])]
         )
-        span = flops[None, :] - flops[:, None]
         upper = np.triu(np.ones((self.units + 1,) * 2, dtype=bool), k=1)
         self.compute = []
         for d in devices:
             room = capacity(cluster, d) * (1 + MEMORY_SLACK)
             fits = upper & (need[None, :] - need[:, None] <= room)
-            self.compute.append(np.where(fits, span * seconds_per_flop(cluster, d), np.inf))
+            self.compute.append(
+                np.where(fits, compute_table(cluster, workload, d).spans(), np.inf)
+            )
         self.sequential = np.zeros(self.units + 1)
         for u, unit in enumerate(workload.units):
             self.sequential[u + 1] = sum(o.bytes for o in unit.outputs if u + 1 in o.consumers)

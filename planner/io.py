@@ -73,7 +73,22 @@ def _device(raw: Any, where: str) -> Device:
         memory_available=_number(raw, "memory_available", where),
         load=_number(raw, "load", where, upper=1, default=0.0),
         battery=_battery(raw.get("battery"), f"{where}.battery"),
+        unit_s=_unit_times(raw.get("unit_s", {}), f"{where}.unit_s"),
+        stage_overhead_s=_number(raw, "stage_overhead_s", where, default=0.0),
     )
+
+
+def _unit_times(raw: Any, where: str) -> dict[int, float]:
+    """{"unit index": seconds per decode token}: JSON keys are strings."""
+    if not isinstance(raw, dict):
+        raise InvalidInput(f"{where} must be an object of unit index -> seconds")
+    times = {}
+    for key in raw:
+        text = str(key)
+        if not text.isdigit():
+            raise InvalidInput(f"{where} keys must be unit indices, got {key!r}")
+        times[int(text)] = _number(raw, key, where, positive=True)
+    return times
 
 
 def _link(raw: Any, where: str, ids: set[str]) -> Link:

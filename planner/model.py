@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 OBJECTIVES = ("latency", "throughput")
@@ -20,6 +21,12 @@ class Device:
     memory_available: float  # bytes
     load: float = 0.0  # fraction of the CPU taken by other processes, in [0, 1]
     battery: Battery | None = None  # None: mains-powered, no battery
+    # Measured seconds per decode token of units this device ran, by unit index: where
+    # present they price the unit instead of its FLOPs / `flops` (planner.cost).
+    unit_s: Mapping[int, float] = field(default_factory=dict, hash=False)
+    # Measured seconds per token a stage on this device spends outside its units (taking
+    # tensors in and sending them on, scheduling, sampling): added to every stage it holds.
+    stage_overhead_s: float = 0.0
 
     @property
     def on_battery(self) -> bool:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.cost import MEMORY_SLACK, capacity, memory_need, seconds_per_flop, usable_devices
+from planner.cost import MEMORY_SLACK, capacity, compute_table, memory_need, usable_devices
 from planner.model import Cluster, Device, Workload
 
 INF = np.inf
@@ -86,7 +86,6 @@ def _finite(table: np.ndarray) -> np.ndarray:
 def block_costs(cluster: Cluster, workload: Workload, devices: list[Device]) -> np.ndarray:
     """[d, j, w]: the compute of d's block of units j..j+w-1; inf where it does not fit."""
     units = len(workload.units)
-    flops = np.concatenate([[0.0], np.cumsum([u.flops for u in workload.units])])
     need = np.concatenate([[0.0], np.cumsum([memory_need(cluster, u) for u in workload.units])])
     rooms = np.array([capacity(cluster, d) for d in devices]) * (1 + MEMORY_SLACK)
     starts = np.arange(units + 1)
@@ -96,11 +95,12 @@ def block_costs(cluster: Cluster, workload: Workload, devices: list[Device]) -> 
     stop = starts[:, None] + np.arange(width + 1)[None, :]
     inside = stop <= units
     stop = np.minimum(stop, units)
-    span, load = flops[stop] - flops[:, None], need[stop] - need[:, None]
+    load = need[stop] - need[:, None]
     block = np.full((len(devices), units + 1, width + 1), INF)
     for d, device in enumerate(devices):
         ok = inside & (load <= rooms[d])
-        block[d] = np.where(ok, span * seconds_per_flop(cluster, device), INF)
+        compute = compute_table(cluster, workload, device).block(starts[:, None], stop)
+        block[d] = np.where(ok, compute, INF)
     block[:, :, 0] = INF
     return block
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from planner.baselines import even_split, memory_split
 from planner.constraints import require_feasible, violations
-from planner.cost import simulate
+from planner.cost import check_measured, simulate
 from planner.deadline import Deadline
 from planner.dp import solve_dp
 from planner.errors import InvalidInput, PlannerError
@@ -39,7 +39,8 @@ def solve(cluster: Cluster, workload: Workload, objective: str = "throughput",
     With `time_limit_s`, an exact solver that has not proven its plan optimal by then returns
     the best plan found, and the plan's `solver` says it was cut short.
     Raises Infeasible (naming the shortfall) when no plan can hold the model, InvalidInput for
-    an unknown objective or solver or a negative time limit.
+    an unknown objective or solver, a negative time limit or a measured time of a unit the
+    workload lacks.
     """
     if objective not in OBJECTIVES:
         raise InvalidInput(f"objective must be one of {', '.join(OBJECTIVES)}, not {objective!r}")
@@ -47,6 +48,7 @@ def solve(cluster: Cluster, workload: Workload, objective: str = "throughput",
         raise InvalidInput(f"solver must be one of {', '.join(SOLVERS)}, not {solver!r}")
     if time_limit_s is not None and not time_limit_s >= 0:
         raise InvalidInput(f"the time limit must be at least 0 s, not {time_limit_s!r}")
+    check_measured(cluster, workload)
     require_feasible(cluster, workload)
     started = time.perf_counter()
     solved = SOLVERS[solver](cluster, workload, objective, Deadline.after(time_limit_s))

@@ -9,12 +9,19 @@ rebalancing uses to move a unit together with its K/V.
 Values that stay inside the stage (the hidden state between units, the K/V state between
 steps) are kept as ONNX Runtime `OrtValue`s and bound with IOBinding, so they are never
 copied into numpy.
+
+Each step can report how long each unit took (`step(..., unit_s=)`), and `warm_up` times a
+one-token step on placeholder inputs right after loading: the measured prices the planner
+puts on this peer's units (docs/planner.md).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import threading
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +31,7 @@ import onnxruntime as ort
 from shards.manifest import Manifest, StateSpec, Unit
 
 Value = np.ndarray | ort.OrtValue
+WARM_UP_RUNS = 5
 
 
 @dataclass(frozen=True)
@@ -71,11 +79,13 @@ class StageExecutor:
         self._lock = threading.Lock()
 
     # -- running ---------------------------------------------------------------------------
-    def step(self, seq_id: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def step(self, seq_id: str, inputs: dict[str, np.ndarray],
+             unit_s: dict[int, float] | None = None) -> dict[str, np.ndarray]:
         """One forward pass of `seq_id` over this stage's units.
 
         `inputs` holds every tensor in `self.inputs`; float16 arrays are accepted where the
-        unit wants float32 (activations sent in half precision).
+        unit wants float32 (activations sent in half precision). Given `unit_s`, the seconds
+        each unit took are written into it, by unit index.
         """
         missing = [name for name in self.inputs if name not in inputs]
         if missing:
@@ -87,7 +97,10 @@ class StageExecutor:
         }
         new_state: dict[str, ort.OrtValue] = {}
         for unit, session in zip(self.units, self._sessions, strict=True):
+            started = time.perf_counter()
             self._run_unit(unit, session, values, state, new_state)
+            if unit_s is not None:
+                unit_s[unit.index] = time.perf_counter() - started
         with self._lock:
             self._state[seq_id] = new_state
         return {name: _numpy(values[name]) for name in self.outputs}
@@ -113,6 +126,33 @@ class StageExecutor:
         for spec in unit.state:
             new_state[spec.input] = produced.pop(spec.output)
         values.update(produced)
+
+    def warm_up(self, runs: int = WARM_UP_RUNS) -> dict[int, float]:
+        """Run a one-token step `runs` times on placeholder inputs (zeros, every free
+        dimension 1) and return each unit's median seconds: what a decode step at the start
+        of a sequence costs, known before any answer runs. The first run also takes ONNX
+        Runtime's one-time costs off the first real answer."""
+        inputs = self._placeholder_inputs()
+        samples: dict[int, list[float]] = {unit.index: [] for unit in self.units}
+        for _ in range(runs):
+            seq_id = f"warm-up-{uuid.uuid4().hex}"
+            timings: dict[int, float] = {}
+            try:
+                self.step(seq_id, inputs, timings)
+            finally:
+                self.drop(seq_id)
+            for index, seconds in timings.items():
+                samples[index].append(seconds)
+        return {index: statistics.median(times) for index, times in samples.items()}
+
+    def _placeholder_inputs(self) -> dict[str, np.ndarray]:
+        wanted: dict[str, ort.NodeArg] = {}
+        for session in self._sessions:
+            for arg in session.get_inputs():
+                wanted.setdefault(arg.name, arg)
+        return {name: np.zeros([d if isinstance(d, int) else 1 for d in wanted[name].shape],
+                               _ORT_TYPES[wanted[name].type])
+                for name in self.inputs}
 
     def drop(self, seq_id: str) -> None:
         """Forget a sequence and free its K/V (unknown ids are ignored)."""

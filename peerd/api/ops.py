@@ -36,7 +36,7 @@ def status_document(me: status.SelfInfo, counters: status.Counters,
     plans = rooms.plans
     document = status.build(
         me, rooms.cluster.membership, rooms.cluster.election, report, counters,
-        plans.deployment.plan_document(), plans.model_status(report),
+        plans.plan_document(report, rooms.serving.answer_figures()), plans.model_status(report),
     )
     document["deployment"] = plans.deployment.status()
     document["history"] = rooms.measuring.history.document()

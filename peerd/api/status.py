@@ -83,8 +83,10 @@ def _member_entry(member: Member, figures: PeerFigures | None, links) -> dict[st
 def _figures(figures: PeerFigures | None) -> dict[str, Any]:
     if figures is None:
         return {"flops": None, "memory_total": None, "memory_available": None, "load": None,
-                "battery": None, "model": None, "units": []}
+                "battery": None, "model": None, "units": [], "unit_s": {},
+                "stage_overhead_s": None}
     battery = dataclasses.asdict(figures.battery) if figures.battery else None
+    times = figures.unit_times
     return {
         "flops": figures.flops,
         "memory_total": figures.memory_total,
@@ -93,6 +95,8 @@ def _figures(figures: PeerFigures | None) -> dict[str, Any]:
         "battery": battery,
         "model": figures.model,
         "units": list(figures.units),
+        "unit_s": {str(u): t for u, t in times.by_unit().items()} if times else {},
+        "stage_overhead_s": times.overhead_s if times else None,
     }
 
 
@@ -162,11 +166,22 @@ def _model_and_plan(
         f"predicted {predicted['throughput_tps']:.1f} tokens/s, "
         f"{predicted['latency_s'] * 1000:.2f} ms per token"
     )
+    lines.append(_measured_line(plan["measured"]))
     lines += [
         f"        units {s['units'][0]}-{s['units'][-1]} on {names.get(s['peer'], s['peer'])}"
         for s in plan["stages"]
     ]
     return lines
+
+
+def _measured_line(measured: dict[str, Any] | None) -> str:
+    """The answers' figures under the prediction's, aligned with it."""
+    if measured is None or not measured["tokens"]:
+        return "        measured  - (no answer on this plan yet)"
+    throughput, latency = measured["throughput_tps"], measured["latency_s"]
+    return (f"        measured  {'-' if throughput is None else f'{throughput:.1f}'} tokens/s, "
+            f"{'-' if latency is None else f'{latency * 1000:.2f}'} ms per token "
+            f"(over {measured['tokens']} tokens)")
 
 
 def _peer_row(peer: dict[str, Any]) -> list[str]:

@@ -31,12 +31,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from peerd.control import rebalance
-from peerd.control.planning import (
-    cluster_from_report,
-    context_for,
-    solve_plan,
-    workload_from_manifest,
-)
+from peerd.control.planning import planner_inputs, solve_plan
 from peerd.wire.protocol import (
     ClusterReport,
     DeployReport,
@@ -214,11 +209,9 @@ class Coordinator:
     async def _look(self, report: ClusterReport, served: _Served, deployed: PlanAssignment
                     ) -> tuple[rebalance.Look, pm.Plan, pm.Plan] | None:
         """The policy's view of this round, with the best plan and the best boundary move."""
-        workload = workload_from_manifest(served.manifest)
         current = tuple(pm.Stage(s.peer, s.first, s.last + 1) for s in deployed.stages)
         try:
-            cluster = cluster_from_report(report, served.model.peer,
-                                          context_for(served.manifest))
+            cluster, workload = planner_inputs(report, served.model.peer, served.manifest)
             best = await solve_plan(cluster, workload, self.objective, self.solver)
         except PlannerError:
             return None  # nothing better exists; a broken plan is re-planned as peers leave
@@ -336,9 +329,8 @@ class Coordinator:
             return self._problem(epoch, plan_id, f"model {model.name} on peer {model.peer} {what}")
         served = _Served(model, model.manifest)
         try:
-            cluster = cluster_from_report(report, model.peer, context_for(served.manifest))
-            plan = await solve_plan(cluster, workload_from_manifest(served.manifest),
-                                    self.objective, self.solver)
+            cluster, workload = planner_inputs(report, model.peer, served.manifest)
+            plan = await solve_plan(cluster, workload, self.objective, self.solver)
         except PlannerError as exc:
             return self._problem(epoch, plan_id, str(exc))
         return self._assignment(epoch, plan, served, plan_id)

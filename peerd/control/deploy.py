@@ -6,7 +6,8 @@ has them in its shard directory; any other peer looks in its UnitStore (re-hashi
 file first, so a corrupted one is fetched again, never loaded) and pulls the missing ones from
 the model peer in verified, resumable chunks (peerd.control.unit_transfer); either way a unit's data
 file lies beside its model, where ONNX Runtime looks for it. It then loads a StageExecutor
-for exactly its units and reports ``ready``; a peer without a stage unloads and reports
+for exactly its units, times each unit on a warm-up step (peerd/cluster/unit_clock.py) and
+reports ``ready``; a peer without a stage unloads and reports
 ``ready`` with no units. Progress goes to the leader as DeployReports and to the log.
 
 A newer plan (by leader epoch, then plan id) cancels work on an older one; bytes already
@@ -25,6 +26,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from peerd.cluster.unit_clock import UnitClock
 from peerd.control.unit_store import UnitStore
 from peerd.control.unit_transfer import CHUNK_BYTES, Ask, fetch_file
 from peerd.wire.protocol import DeployReport, PlanAssignment, PlanStage
@@ -68,16 +70,19 @@ class Deployment:
         report: Callable[[DeployReport], None],
         local_files: Callable[[], Mapping[str, Path]] = dict,
         chunk_bytes: int = CHUNK_BYTES,
+        unit_clock: UnitClock | None = None,
     ):
         """`ask(peer)` sends a chunk request to that peer and returns its answer; `report`
         delivers a DeployReport to the leader; `local_files` are unit files this peer has
-        without fetching (sha256 -> path: the model peer's shard directory)."""
+        without fetching (sha256 -> path: the model peer's shard directory); `unit_clock`
+        gets the time of each unit's warm-up step."""
         self.me = me
         self.store = store
         self._ask = ask
         self._report = report
         self._local_files = local_files
         self._chunk_bytes = chunk_bytes
+        self.unit_clock = unit_clock or UnitClock()
         self.assignment: PlanAssignment | None = None
         self.manifest: Manifest | None = None  # the current plan's
         self.loaded: LoadedStage | None = None
@@ -164,9 +169,22 @@ class Deployment:
         executor = await asyncio.to_thread(
             StageExecutor, _at_paths(manifest, paths), self.store.root, stage.first, stage.last
         )
+        await self._warm_up(manifest, executor)
         self.loaded = LoadedStage(manifest, stage.first, stage.last, executor)
         log.info("plan %d: loaded units %s", plan.plan_id, _range(stage))
         self._set(DeployState.READY, detail=f"loaded units {_range(stage)}")
+
+    async def _warm_up(self, manifest: Manifest, executor: StageExecutor) -> None:
+        """Time each unit on a warm-up step, the planner's first measured prices for them.
+        Placeholder inputs may not suit every model; then the units are timed by the first
+        answers instead, and the stage serves all the same."""
+        try:
+            timings = await asyncio.to_thread(executor.warm_up)
+        except Exception as exc:  # ONNX Runtime's errors derive from Exception alone
+            log.warning("no warm-up step for units %d-%d (%s); answers will time them",
+                        executor.first, executor.last, exc)
+            return
+        self.unit_clock.record(manifest.key, timings)
 
     async def _unit_paths(self, model_peer: str, units: tuple[Unit, ...]) -> dict[int, Path]:
         """Where each unit's model file is (its data file beside it), after fetching the
@@ -248,6 +266,8 @@ class Deployment:
             "objective": plan.objective,
             "solver": plan.solver,
             "predicted": predicted,
+            "predicted_at_planning": predicted,
+            "measured": None,
             "model": plan.model,
             "model_peer": plan.model_peer,
             "problem": plan.problem,

@@ -6,6 +6,15 @@ measured between those peers, and the model peer as the source (it holds unit 0 
 tokenizer). The workload is the model's manifest. KV is reserved for the model's maximum
 context, at most DEFAULT_CONTEXT tokens.
 
+Units are priced by what they measured (docs/planner.md, "How a unit is priced"): a unit a
+peer ran costs its own measured seconds per decode token there (`PeerFigures.unit_times`,
+for the model's manifest key); a unit it never ran but others did, their times scaled by
+how much faster this peer computes (FLOP/s x (1 - load), the median over the peers that ran
+it); a unit nobody ran yet, its FLOPs at the peer's FLOP/s (the planner's own fallback).
+Each stage also costs its peer's measured overhead per step (`UnitTimes.overhead_s`:
+receiving, sending, scheduling, sampling), estimated the same way for a peer that has not
+run a decode step yet, and 0 while nobody has.
+
 The default solver is the exact one (`milp`). It gets MILP_TIME_LIMIT_S less SETTLE_S: if it
 has not proven its plan optimal by then, it returns the best plan found (its `solver` says it
 was cut short). If it fails, or still has no answer after MILP_TIME_LIMIT_S, the EdgeShard DP
@@ -16,11 +25,15 @@ no other solver can do better.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import statistics
 
-from peerd.wire.protocol import Battery, ClusterReport
+from peerd.wire.protocol import Battery, ClusterReport, PeerFigures, PlanAssignment
 from planner import model as pm
-from planner.errors import Infeasible
+from planner.constraints import violations
+from planner.cost import simulate
+from planner.errors import Infeasible, PlannerError
 from planner.io import workload_from_dict
 from planner.solve import solve
 from shards.manifest import Manifest
@@ -33,8 +46,12 @@ SETTLE_S = 1.0  # of the time limit, kept for scoring the plan found and its ove
 FALLBACK_SOLVER = "dp"
 
 
-def cluster_from_report(report: ClusterReport, source: str, context: int) -> pm.Cluster:
-    """The planner's view of the measured peers, with `source` holding unit 0."""
+def cluster_from_report(report: ClusterReport, source: str, context: int,
+                        model: str | None = None, units: int = 0) -> pm.Cluster:
+    """The planner's view of the measured peers, with `source` holding unit 0; with `model`
+    (a manifest key) of `units` units, priced by the unit times measured for it."""
+    peers = [f for f in sorted(report.peers, key=lambda f: f.id) if f.flops > 0]
+    prices = unit_prices(peers, model, units) if model else {}
     devices = tuple(
         pm.Device(
             id=f.id,
@@ -42,9 +59,10 @@ def cluster_from_report(report: ClusterReport, source: str, context: int) -> pm.
             memory_available=float(f.memory_available),
             load=f.load,
             battery=_battery(f.battery),
+            unit_s=prices[f.id].unit_s if model else {},
+            stage_overhead_s=prices[f.id].overhead_s if model else 0.0,
         )
-        for f in sorted(report.peers, key=lambda f: f.id)
-        if f.flops > 0
+        for f in peers
     )
     ids = {d.id for d in devices}
     if source not in ids:
@@ -57,8 +75,68 @@ def cluster_from_report(report: ClusterReport, source: str, context: int) -> pm.
     return pm.Cluster(source=source, devices=devices, links=links, context=context)
 
 
+@dataclasses.dataclass(frozen=True)
+class Prices:
+    """What a peer's compute costs: seconds per decode token by unit, and its stage's
+    overhead per step."""
+
+    unit_s: dict[int, float]
+    overhead_s: float = 0.0
+
+
+def unit_prices(peers: list[PeerFigures], model: str, units: int) -> dict[str, Prices]:
+    """Each peer's prices where anyone measured them: the peer's own times, else the
+    others' scaled by their speed over this peer's (the median over them)."""
+    measured = {f.id: f.unit_times for f in peers
+                if f.unit_times is not None and f.unit_times.model == model}
+    speed = {f.id: f.flops * (1 - f.load) for f in peers}
+
+    def scaled(peer: str, own: float | None, others: dict[str, float]) -> float | None:
+        if own is not None:
+            return own
+        found = [seconds * speed[e] / speed[peer] for e, seconds in others.items()
+                 if speed[e] > 0 and speed[peer] > 0]
+        return statistics.median(found) if found else None
+
+    times = {e: t.by_unit() for e, t in measured.items()}
+    overheads = {e: t.overhead_s for e, t in measured.items() if t.overhead_s is not None}
+    prices = {}
+    for f in peers:
+        mine = times.get(f.id, {})
+        unit_s = {u: scaled(f.id, mine.get(u), {e: t[u] for e, t in times.items() if u in t})
+                  for u in range(units)}
+        overhead = scaled(f.id, overheads.get(f.id), overheads)
+        prices[f.id] = Prices({u: s for u, s in unit_s.items() if s is not None},
+                              overhead or 0.0)
+    return prices
+
+
 def _battery(battery: Battery | None) -> pm.Battery | None:
     return None if battery is None else pm.Battery(battery.percent, battery.plugged)
+
+
+def planner_inputs(report: ClusterReport, source: str,
+                   manifest: Manifest) -> tuple[pm.Cluster, pm.Workload]:
+    """The cluster, priced by the unit times measured for `manifest`, and its workload."""
+    cluster = cluster_from_report(report, source, context_for(manifest), manifest.key,
+                                  len(manifest.units))
+    return cluster, workload_from_manifest(manifest)
+
+
+def rescore(report: ClusterReport, plan: PlanAssignment,
+            manifest: Manifest) -> pm.Prediction | None:
+    """What the planner predicts for `plan` at the prices of `report`; None where the plan
+    no longer holds under it (a peer gone, too loaded, out of memory)."""
+    if plan.model_peer is None or not plan.stages:
+        return None
+    stages = [pm.Stage(s.peer, s.first, s.last + 1) for s in plan.stages]
+    try:
+        cluster, workload = planner_inputs(report, plan.model_peer, manifest)
+        if violations(cluster, workload, stages):
+            return None
+        return simulate(cluster, workload, stages)
+    except PlannerError:
+        return None
 
 
 def workload_from_manifest(manifest: Manifest) -> pm.Workload:

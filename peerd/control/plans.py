@@ -11,6 +11,7 @@ shards it (peerd/control/model_host.py) and serves its unit files (peerd/control
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -19,16 +20,19 @@ from typing import Any
 from peerd.cluster.measuring import MEASURE_TIMEOUT_S, Spawn
 from peerd.cluster.membership import Member
 from peerd.cluster.peers import ClusterView, Handler
+from peerd.cluster.unit_clock import UnitClock
 from peerd.control import rebalance
 from peerd.control.coordinator import Coordinator, ModelStatus
 from peerd.control.deploy import Deployment
 from peerd.control.model_host import ModelHost
 from peerd.control.plan_live import PlanEvent, PlanWatch
+from peerd.control.planning import rescore
 from peerd.control.unit_store import UnitStore
 from peerd.control.unit_transfer import CHUNK_TIMEOUT_S, Ask, ChunkServer
 from peerd.wire import protocol
 from peerd.wire.states import ModelState
 from peerd.wire.transport import Incoming, Transport
+from planner.model import Prediction
 from shards.manifest import Quant
 
 log = logging.getLogger("peerd.control.plans")
@@ -41,9 +45,10 @@ class Plans:
                  model: Path | None, quant: Quant, objective: str, rebalancing: bool,
                  spawn: Spawn, listener: Callable[[PlanEvent], None],
                  on_new_plan: Callable[[protocol.PlanAssignment], None],
-                 on_deployed: Callable[[], None]):
+                 on_deployed: Callable[[], None], unit_clock: UnitClock | None = None):
         """`listener` hears StageLoaded and PlanLive; `on_new_plan` each plan new to this
-        peer; `on_deployed` that the leader's current plan has every stage loaded."""
+        peer; `on_deployed` that the leader's current plan has every stage loaded;
+        `unit_clock` gets the units' warm-up times."""
         self.cluster = cluster
         self.transport = transport
         self._spawn = spawn
@@ -53,9 +58,10 @@ class Plans:
         self.chunks = ChunkServer(self._served_files)
         self.deployment = Deployment(
             cluster.me, UnitStore(state_dir / UNITS_DIR), self._unit_asker,
-            self._send_deploy_report, local_files=self._served_files,
+            self._send_deploy_report, local_files=self._served_files, unit_clock=unit_clock,
         )
         self.watch = PlanWatch(self.deployment, listener)
+        self._rescore: tuple[protocol.ClusterReport, str, Prediction | None] | None = None
         self.coordinator = Coordinator(
             self._ask_manifest, self._send_plan, objective=objective,
             policy=rebalance.Policy() if rebalancing else None, name_of=cluster.name_of,
@@ -161,6 +167,33 @@ class Plans:
 
     # -- what status shows ----------------------------------------------------------------------
 
+    def plan_document(self, report: protocol.ClusterReport | None,
+                      answers: protocol.AnswerFigures | None = None) -> dict[str, Any] | None:
+        """The current plan as `peerd status` shows it: `predicted` at the latest measured
+        prices (as planned, `predicted_at_planning`, when the plan no longer holds under
+        them), and `measured`, what the head's answers measured on it (`answers`: this
+        peer's own, when it is the head; else the head's, from the report)."""
+        document = self.deployment.plan_document()
+        plan = self.deployment.assignment
+        if document is None or plan is None:
+            return document
+        rescored = self._rescored(report, plan)
+        if rescored is not None:
+            document["predicted"] = dataclasses.asdict(rescored)
+        document["measured"] = _measured(plan.key, report, answers)
+        return document
+
+    def _rescored(self, report: protocol.ClusterReport | None,
+                  plan: protocol.PlanAssignment) -> Prediction | None:
+        """`rescore` once per report and plan (status may be read many times a second)."""
+        manifest = self.deployment.manifest
+        if report is None or manifest is None:
+            return None
+        cached = self._rescore
+        if cached is None or cached[0] is not report or cached[1] != plan.key:
+            self._rescore = cached = (report, plan.key, rescore(report, plan, manifest))
+        return cached[2]
+
     def model_status(self, report: protocol.ClusterReport | None) -> dict[str, Any] | None:
         """The model as this peer knows it: from the leader's own look at it, this peer's
         sharding, the plan it holds, or the figures naming a model peer."""
@@ -177,3 +210,15 @@ class Plans:
         if model is None and holder is not None and holder.model:
             model = ModelStatus(holder.id, holder.model, ModelState.UNKNOWN, "")
         return model.document() if model else None
+
+
+def _measured(plan: str, report: protocol.ClusterReport | None,
+              answers: protocol.AnswerFigures | None) -> dict[str, Any] | None:
+    """The answers' figures on plan `plan`: this peer's, else the head's in the report."""
+    if answers is None or answers.plan != plan:
+        peers = report.peers if report else ()
+        answers = next((f.answers for f in peers if f.answers and f.answers.plan == plan), None)
+    if answers is None:
+        return None
+    return {"latency_s": answers.latency_s, "throughput_tps": answers.throughput_tps,
+            "tokens": answers.tokens}

@@ -96,6 +96,7 @@ class Daemon:
             self.cluster, self.transport, options.state_dir, model, options.quant,
             options.objective, options.rebalance, self._spawn, self.serving.on_plan,
             on_new_plan=self._publish_plan, on_deployed=self.measuring.remeasure,
+            unit_clock=self.serving.unit_clock,
         )
         self.measuring.on_report(self.plans.watch.measured)
         self.ops = ops.LocalOps(self.status, self.events, self.serving.chat.op_chat,
@@ -218,11 +219,13 @@ class Daemon:
     # -- between the rooms --------------------------------------------------------------------
 
     async def _own_figures(self) -> protocol.PeerFigures:
-        """This peer's readings, with the units it has loaded and its stage's time per step."""
+        """This peer's readings, with the units it has loaded, its stage's time per step,
+        each unit's time per decode token and, on a head, what its answers measured."""
         deployment = self.plans.deployment
         return dataclasses.replace(
             await self.monitor.figures(), units=deployment.units, plan=deployment.ready_plan,
-            stage_s=self.serving.stage_seconds(),
+            stage_s=self.serving.stage_seconds(), unit_times=self.serving.unit_clock.figures(),
+            answers=self.serving.answer_figures(),
         )
 
     def _publish_plan(self, plan: protocol.PlanAssignment) -> None:

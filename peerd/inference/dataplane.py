@@ -35,6 +35,8 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from peerd.cluster.unit_clock import UnitClock
+from peerd.inference.answer_clock import AnswerClock
 from peerd.inference.pipeline import (
     Generation,
     NewToken,
@@ -112,6 +114,7 @@ class _Running:
     done: asyncio.Future
     active_at: float
     paused: bool = False  # stopped at a token boundary, to move to the handover plane
+    last_token_at: float | None = None  # on this plane
 
 
 @dataclass
@@ -143,8 +146,11 @@ class DataPlane:
         limits: Limits | None = None,
         plan: str = "local",
         siblings: Mapping[str, DataPlane] | None = None,
+        unit_clock: UnitClock | None = None,
     ) -> None:
+        """`unit_clock` records how long each unit of this stage takes per decode step."""
         self.plan = plan
+        self.model = manifest.key
         self.peers = [peer for peer, _, _ in stages]
         self.ranges = [(first, last) for _, first, last in stages]
         self.me = self_id
@@ -154,6 +160,8 @@ class DataPlane:
         self.transport = transport
         self.limits = limits or Limits()
         self.sampler = TokenSampler()
+        self.unit_clock = unit_clock or UnitClock()
+        self.answer_clock = AnswerClock()  # the head's answers on this plan
         self.closed = False
         self._running: dict[str, _Running] = {}
         self._live: set[str] = set()  # sequences whose K/V this plane may hold
@@ -197,6 +205,7 @@ class DataPlane:
         seq_id = generation.seq_id
         loop = asyncio.get_running_loop()
         running = _Running(generation, on_token, loop.create_future(), time.monotonic())
+        self.answer_clock.begin(running.active_at, idle=not self._running)
         self._running[seq_id] = running
         try:
             await self._open(seq_id, params, len(generation.tokens))
@@ -243,7 +252,10 @@ class DataPlane:
             running.done.set_result(None)
             return
         step, inputs = running.generation.step_inputs()
-        self._spawn(self._run(running.generation.seq_id, step, inputs))
+        # a decode step is under way from its token's arrival: streaming it counts
+        ready_at = running.last_token_at
+        self._spawn(self._run(running.generation.seq_id, step, inputs,
+                              time.monotonic() if ready_at is None else ready_at))
 
     def _on_token(self, seq_id: str, step: int, token: int,
                   logprobs: TokenLogprobs | None) -> None:
@@ -256,7 +268,10 @@ class DataPlane:
         except ValueError as exc:
             self._fail(seq_id, str(exc))
             return
-        running.active_at = time.monotonic()
+        now = running.active_at = time.monotonic()
+        last, running.last_token_at = running.last_token_at, now
+        self.answer_clock.token(now, None if last is None else now - last,
+                                alone=len(self._running) == 1)
         if running.on_token(NewToken(token, logprobs, finished)) and not finished:
             generation.stopped = finished = True
         if finished:
@@ -430,9 +445,10 @@ class DataPlane:
             self._spawn(self._report_failure(message.seq_id, str(exc)))
             return
         if inputs is not None:
-            self._spawn(self._run(message.seq_id, message.step, inputs))
+            self._spawn(self._run(message.seq_id, message.step, inputs, time.monotonic()))
 
-    async def _run(self, seq_id: str, step: int, inputs: dict) -> None:
+    async def _run(self, seq_id: str, step: int, inputs: dict, ready_at: float) -> None:
+        """Run a step whose inputs were all here at `ready_at` (monotonic seconds)."""
         loop = asyncio.get_running_loop()
         self._live.add(seq_id)
         self._computing.add(seq_id)
@@ -466,6 +482,9 @@ class DataPlane:
             token = self.sampler.sample(seq_id, done.logits)
             await self._emit_token(seq_id, step, token,
                                    self.sampler.logprobs(seq_id, done.logits, token))
+        if step > 0:  # the planner prices decode steps; step 0 is the prefill
+            outside = time.monotonic() - ready_at - sum(done.unit_s.values())
+            self.unit_clock.record(self.model, done.unit_s, outside)
 
     async def _emit_token(self, seq_id: str, step: int, token: int,
                           logprobs: TokenLogprobs | None) -> None:

@@ -56,6 +56,7 @@ class StepDone:
     compute_s: float  # running the units
     sequential_bytes: int  # sent to the next stage
     residual_bytes: int  # sent to later stages
+    unit_s: dict[int, float] = field(default_factory=dict)  # seconds of each unit, by index
 
 
 class StageWorker:
@@ -101,14 +102,16 @@ class StageWorker:
     def run(self, seq_id: str, step: int, inputs: Tensors) -> StepDone:
         """Run the stage's units on complete inputs and build the messages to send."""
         started = time.perf_counter()
-        outputs = self.executor.step(seq_id, {n: inputs[n] for n in self.executor.inputs})
+        unit_s: dict[int, float] = {}
+        outputs = self.executor.step(seq_id, {n: inputs[n] for n in self.executor.inputs},
+                                     unit_s)
         seconds = time.perf_counter() - started
         available = {**inputs, **outputs}
         outgoing = [self._message(seq_id, step, route, available) for route in self.routes.sends]
         logits = outputs[self.routes.returns[0]] if self.routes.returns else None
         sequential = sum(o.nbytes for o in outgoing if o.target == self.stage + 1)
         done = StepDone(self.stage, seq_id, step, outgoing, logits, seconds, sequential,
-                        sum(o.nbytes for o in outgoing) - sequential)
+                        sum(o.nbytes for o in outgoing) - sequential, unit_s)
         self._count(done)
         return done
 

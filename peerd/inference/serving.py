@@ -37,6 +37,7 @@ from typing import Any
 
 from peerd.cluster.membership import Member
 from peerd.cluster.peers import Handler
+from peerd.cluster.unit_clock import UnitClock
 from peerd.control.deploy import LoadedStage
 from peerd.control.plan_live import PlanEvent, PlanLive, StageLoaded
 from peerd.control.planning import context_for
@@ -47,6 +48,7 @@ from peerd.inference.pipeline import NewToken, TokenLogprobs
 from peerd.inference.stops import StopStrings
 from peerd.wire import protocol
 from peerd.wire.protocol import (
+    AnswerFigures,
     ChatCancel,
     ChatEvent,
     ChatRequest,
@@ -460,8 +462,10 @@ class Serving:
     """The data planes and chat service of the plans this peer has a stage in."""
 
     def __init__(self, me: str, transport: Transport, model_dir: Path | None,
-                 limits: Limits | None = None, fp16_wire: bool = False) -> None:
+                 limits: Limits | None = None, fp16_wire: bool = False,
+                 unit_clock: UnitClock | None = None) -> None:
         self.me = me
+        self.unit_clock = unit_clock or UnitClock()
         self.transport = transport
         self.model_dir = model_dir
         self.limits = limits or Limits()
@@ -512,7 +516,7 @@ class Serving:
             return self.planes[plan.key]
         ring = [(s.peer, s.first, s.last) for s in plan.stages]
         plane = DataPlane(self.me, self.transport, ring, loaded.manifest, loaded.executor,
-                          self.fp16_wire, self.limits, plan.key, self.planes)
+                          self.fp16_wire, self.limits, plan.key, self.planes, self.unit_clock)
         self.planes[plan.key] = plane
         return plane
 
@@ -587,6 +591,11 @@ class Serving:
             self._stage_s = mark[2] / mark[1]
         self._stage_mark = mark
         return self._stage_s
+
+    def answer_figures(self) -> AnswerFigures | None:
+        """What the answers measured on the plane this head answers on; None elsewhere."""
+        plane = self.answers.plane
+        return plane.answer_clock.figures(plane.plan) if plane is not None else None
 
     def status(self) -> dict[str, Any]:
         """What `peerd status` shows of the data plane on this peer."""

@@ -436,10 +436,52 @@ class Battery:
 
 
 @dataclasses.dataclass(frozen=True)
+class UnitTimes:
+    """Measured seconds per decode token of the units a peer ran (``units[i]`` took
+    ``seconds[i]``), for the model whose manifest key is ``model``, and the seconds per
+    decode step its stage spent outside them (``overhead_s``)."""
+
+    model: str
+    units: tuple[int, ...]
+    seconds: tuple[float, ...]
+    overhead_s: float | None = None  # None: no decode step ran yet, only the warm-up
+
+    def __post_init__(self):
+        _require(self.overhead_s is None or self.overhead_s >= 0,
+                 "unit times: negative overhead")
+        _require(len(self.units) == len(self.seconds), "unit times: units and seconds differ")
+        _require(len(set(self.units)) == len(self.units), "unit times: a unit twice")
+        _require(all(u >= 0 for u in self.units), "unit times: negative unit index")
+        _require(all(s > 0 for s in self.seconds), "unit times: seconds not > 0")
+
+    def by_unit(self) -> dict[int, float]:
+        return dict(zip(self.units, self.seconds, strict=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class AnswerFigures:
+    """What the head measured of its answers on plan ``plan`` (its key): the per-token
+    latency of an answer running alone and the decode tokens per second while answering
+    (None until measured), from ``tokens`` decoded tokens."""
+
+    plan: str
+    latency_s: float | None
+    throughput_tps: float | None
+    tokens: int
+
+    def __post_init__(self):
+        _require(self.latency_s is None or self.latency_s > 0, "answers: latency not > 0")
+        _require(self.throughput_tps is None or self.throughput_tps > 0,
+                 "answers: throughput not > 0")
+        _require(self.tokens >= 0, "answers: negative token count")
+
+
+@dataclasses.dataclass(frozen=True)
 class PeerFigures:
     """One peer's measurements: FLOP/s on the calibration unit, memory (capped by its
     --memory-budget), CPU load of other processes (0..1), battery, model, loaded units and
-    the plan they belong to, and the measured time per step of its stage."""
+    the plan they belong to, the measured time per step of its stage and per decode token of
+    each unit it ran, and, on a head, what its answers measured."""
 
     id: str
     flops: float
@@ -451,6 +493,8 @@ class PeerFigures:
     units: tuple[int, ...]
     plan: str | None = None  # the plan (its key) whose units are loaded, once ready
     stage_s: float | None = None  # recent seconds per step of this peer's stage
+    unit_times: UnitTimes | None = None
+    answers: AnswerFigures | None = None
 
     def __post_init__(self):
         _require(self.flops >= 0, "figures: negative flops")

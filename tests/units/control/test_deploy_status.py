@@ -41,6 +41,9 @@ async def test_a_plan_shows_its_stages_prediction_and_the_model(tmp_path: Path):
                                        {"peer": "cccc", "units": [2]}],
         "objective": "throughput", "solver": "milp",
         "predicted": {"latency_s": 0.0042, "throughput_tps": 310.0, "bottleneck_s": 0.0032},
+        "predicted_at_planning": {"latency_s": 0.0042, "throughput_tps": 310.0,
+                                  "bottleneck_s": 0.0032},
+        "measured": None,
         "model": "toy", "model_peer": "bbbb", "problem": None,
     }
     assert document["model"] == {"name": "toy", "peer": "bbbb", "state": "ready",
@@ -49,7 +52,11 @@ async def test_a_plan_shows_its_stages_prediction_and_the_model(tmp_path: Path):
     text = status.render(document)
     assert "model   toy on bbbb: ready, 3 units (Toy), quant none" in text
     assert "plan    5 of epoch 2 (throughput, milp): predicted 310.0 tokens/s, 4.20 ms" in text
+    assert "        measured  - (no answer on this plan yet)" in text
     assert "units 0-1 on bbbb" in text and "units 2-2 on cccc" in text
+    document["plan"]["measured"] = {"latency_s": 0.0061, "throughput_tps": 162.5, "tokens": 90}
+    assert ("        measured  162.5 tokens/s, 6.10 ms per token (over 90 tokens)"
+            in status.render(document))
 
 
 def test_no_plan_and_an_impossible_plan_say_so():

@@ -29,6 +29,7 @@ from peerd.wire.protocol import (
     ManifestOffer,
     PeerFigures,
     PlanAssignment,
+    UnitTimes,
 )
 from peerd.wire.transport import TransportError
 from planner.errors import Infeasible
@@ -73,6 +74,51 @@ def test_the_cluster_holds_measured_peers_their_links_and_the_model_peer_as_sour
     assert {(link.src, link.dst) for link in cluster.links} == {("a", "b"), ("b", "a")}
     with pytest.raises(Infeasible, match="model peer c has not been measured"):
         cluster_from_report(measured, "c", context=64)
+
+
+def timed(peer: PeerFigures, model: str, seconds: dict[int, float],
+          overhead_s: float | None = None) -> PeerFigures:
+    """The peer's figures with these measured seconds per decode token for `model`'s units
+    (and per step outside them)."""
+    times = UnitTimes(model, tuple(seconds), tuple(seconds.values()), overhead_s)
+    return dataclasses.replace(peer, unit_times=times)
+
+
+def test_units_are_priced_by_own_times_else_others_scaled_by_speed_else_flops():
+    measured = report(
+        timed(figures("a", model="toy"), "key", {0: 0.002, 1: 0.004}, overhead_s=0.001),
+        timed(figures("b", flops=2e9), "key", {1: 0.001, 7: 0.5}),  # 7: not a unit of it
+        timed(figures("c"), "another model", {2: 9.0}),
+    )
+    devices = {d.id: d for d in cluster_from_report(measured, "a", 64, "key", 3).devices}
+    assert devices["a"].unit_s == {0: 0.002, 1: 0.004}  # unit 2: nobody ran it, FLOPs
+    assert devices["b"].unit_s == pytest.approx({0: 0.001, 1: 0.001})  # 2x a's speed
+    # c ran nothing of this model: a's times as they are, b's at half b's speed, the median
+    assert devices["c"].unit_s == pytest.approx({0: 0.002, 1: 0.003})
+    overheads = {peer: d.stage_overhead_s for peer, d in devices.items()}
+    assert overheads == pytest.approx({"a": 0.001, "b": 0.0005, "c": 0.001})
+    assert all(not d.unit_s for d in cluster_from_report(measured, "a", 64).devices)
+
+
+async def test_a_unit_measured_slower_on_its_peer_moves_to_another_in_the_next_plan(manifest):
+    """Every peer ran every unit at 1 ms; then the last unit takes 50 ms on its peer: the
+    rebalancer, on the same prices as the planner, moves it away."""
+    leader = Leader(manifest)
+    peers = [figures("a", SMALL, model="toy"), figures("b", SMALL), figures("c", SMALL)]
+    even = {u: 0.001 for u in range(3)}
+    first = await leader.step(report(*(timed(f, manifest.key, even) for f in peers)))
+    _deploy(leader)
+    slow = first.stages[-1].peer
+    slowed = report(*(timed(f, manifest.key, {**even, 2: 0.05} if f.id == slow else even)
+                      for f in peers))
+    leader.now = 100.0
+    assert await leader.step(slowed) is first
+    leader.now = 103.5
+    moved = await leader.step(slowed)
+    assert moved.plan_id == first.plan_id + 1
+    assert next(s.peer for s in moved.stages if s.last == 2) != slow
+    assert moved.rebalance is not None and moved.rebalance.gain > 10  # 50 ms -> at most 2 ms
+    assert moved.predicted.bottleneck_s <= 0.002 + 1e-9
 
 
 def test_the_workload_is_the_manifest_with_the_requests_own_outputs_left_out(manifest):

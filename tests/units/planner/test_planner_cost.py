@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from planner.constraints import require_feasible, violations
-from planner.cost import critical_path_s, messages, seconds_per_flop, simulate
+from planner.cost import critical_path_s, messages, seconds_per_flop, simulate, stage_compute_s
 from planner.errors import Infeasible
 from planner.model import Battery, Cluster, Device, Link, Output, Stage, Unit, Workload
+from planner.solve import solve
 
 MS = 1e-3
 
@@ -50,6 +53,39 @@ def test_compute_counts_load_and_the_battery_penalty():
     assert seconds_per_flop(cluster, cluster.device("a")) == pytest.approx(1e-9)
     assert seconds_per_flop(cluster, cluster.device("b")) == pytest.approx(1e-9)
     assert seconds_per_flop(cluster, cluster.device("c")) == pytest.approx(1.5e-9)
+
+
+def test_a_measured_unit_costs_its_measured_time_and_the_others_their_flops():
+    cluster = three_peers()
+    measured = Cluster(cluster.source, tuple(
+        replace(d, unit_s={0: 5 * MS, 2: 7 * MS}) if d.id in ("a", "c") else d
+        for d in cluster.devices), cluster.links, battery_penalty=0.5)
+    # a: unit 0 measured (5 ms), unit 1 by its FLOPs at 1 GFLOP/s (2 ms)
+    assert stage_compute_s(measured, chain(), Stage("a", 0, 2)) == pytest.approx(7 * MS)
+    # b measured nothing: 1 + 2 + 3 MFLOP at 1 GFLOP/s effective
+    assert stage_compute_s(measured, chain(), Stage("b", 0, 3)) == pytest.approx(6 * MS)
+    # c is on battery: its measured time takes the penalty too
+    assert stage_compute_s(measured, chain(), Stage("c", 2, 3)) == pytest.approx(10.5 * MS)
+    # and a stage adds its peer's overhead per step
+    busy = replace(measured, devices=tuple(replace(d, stage_overhead_s=MS)
+                                           for d in measured.devices))
+    assert stage_compute_s(busy, chain(), Stage("c", 2, 3)) == pytest.approx(12 * MS)
+    assert stage_compute_s(busy, chain(), Stage("a", 0, 2)) == pytest.approx(8 * MS)
+
+
+def test_a_unit_measured_slow_on_its_peer_moves_to_another():
+    cluster = Cluster("a", (Device("a", 1e9, 1e9), Device("b", 1e9, 1e9)),
+                      (Link("a", "b", 0.1 * MS, 1e9),))
+    units = Workload(tuple(Unit(1e6, 1e6, 0, (Output(10, (u + 1,)),) if u < 3 else ())
+                           for u in range(4)), 8)
+    even = solve(cluster, units, "throughput")
+    assert [(s.peer, s.start, s.stop) for s in even.stages] == [("a", 0, 2), ("b", 2, 4)]
+    slow_on_b = replace(cluster, devices=(cluster.devices[0],
+                                          replace(cluster.devices[1], unit_s={2: 5 * MS})))
+    for objective in ("throughput", "latency"):
+        moved = solve(slow_on_b, units, objective)
+        assert next(s.peer for s in moved.stages if 2 in s.units) == "a", objective
+    assert solve(slow_on_b, units, "throughput").predicted.bottleneck_s == pytest.approx(3 * MS)
 
 
 def test_a_late_residual_delays_its_consumer_stage():

@@ -88,10 +88,23 @@ def edited(base: dict, path: list, value) -> dict:
     (["context"], 10.5, "context must be a whole number"),
     (["beta"], 0, "beta must be a positive number"),
     (["devices"], [], "devices is empty"),
+    (["devices", 0, "unit_s"], [0.1], r"devices\[0\]\.unit_s must be an object"),
+    (["devices", 0, "unit_s"], {"first": 0.1}, "keys must be unit indices, got 'first'"),
+    (["devices", 0, "unit_s"], {"1": 0}, r"unit_s\.1 must be a positive number, got 0"),
 ])
 def test_bad_cluster_fields_are_named(path, value, complaint):
     with pytest.raises(InvalidInput, match=complaint):
         cluster_from_dict(edited(CLUSTER, path, value))
+
+
+def test_measured_unit_times_are_read_by_unit_index_and_must_name_units_of_the_model():
+    cluster = cluster_from_dict(edited(CLUSTER, ["devices", 1, "unit_s"], {"0": 0.5, "2": 2}))
+    assert cluster.device("lap").unit_s == {0: 0.5, 2: 2.0}
+    assert cluster.device("desk").unit_s == {}
+    stray = cluster_from_dict(edited(CLUSTER, ["devices", 1, "unit_s"], {"3": 0.5}))
+    with pytest.raises(InvalidInput, match="'lap' has a measured time for unit 3; the model "
+                                           "has units 0-2"):
+        solve(stray, workload_from_dict(UNITS))
 
 
 def test_the_same_ordered_link_twice_is_refused():

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from planner.bounds import lower_bound
 from planner.constraints import violations
 from planner.cost import (
     capacity,
@@ -139,6 +140,22 @@ def sharded_workloads(draw) -> Workload:
     return Workload(tuple(units), return_bytes=draw(st.floats(0, 1e5)))
 
 
+@st.composite
+def measured(draw, kind=workloads) -> tuple[Cluster, Workload]:
+    """A cluster whose peers measured some units and, some of them, their stage overhead:
+    each measured time is the unit's FLOP price there times a factor from 0.05 to 20 (units
+    cheaper or dearer than their FLOPs say, differently on each peer)."""
+    cluster, workload = draw(clusters()), draw(kind())
+    devices = tuple(
+        replace(device, unit_s={
+            u: unit.flops / device.flops * draw(st.floats(0.05, 20))
+            for u, unit in enumerate(workload.units) if draw(st.booleans())
+        }, stage_overhead_s=draw(st.sampled_from([0.0, 1e-4, 0.01, 0.5])))
+        for device in cluster.devices
+    )
+    return replace(cluster, devices=devices), workload
+
+
 def every_plan(cluster: Cluster, workload: Workload):
     count = len(workload.units)
     others = [d.id for d in usable_devices(cluster) if d.id != cluster.source]
@@ -224,6 +241,20 @@ def test_milp_equals_exhaustive_search_on_sharded_models(cluster, workload):
     assert_milp_optimal(cluster, workload)
 
 
+@pytest.mark.slow
+@settings(PROPERTY, max_examples=150)
+@given(measured())
+def test_milp_equals_exhaustive_search_with_measured_unit_times(drawn):
+    assert_milp_optimal(*drawn)
+
+
+@pytest.mark.slow
+@settings(PROPERTY, max_examples=150)
+@given(measured(sharded_workloads))
+def test_milp_equals_exhaustive_search_on_sharded_models_with_measured_unit_times(drawn):
+    assert_milp_optimal(*drawn)
+
+
 def assert_milp_optimal(cluster: Cluster, workload: Workload) -> None:
     best = exhaustive(cluster, workload)
     for objective in OBJECTIVES:
@@ -246,6 +277,22 @@ def assert_milp_optimal(cluster: Cluster, workload: Workload) -> None:
 @PROPERTY
 @given(clusters(), sharded_workloads())
 def test_the_exact_methods_bounds_hold(cluster, workload):
+    assert_bounds_hold(cluster, workload)
+
+
+@pytest.mark.slow
+@settings(PROPERTY, max_examples=150)
+@given(measured(sharded_workloads))
+def test_the_bounds_hold_with_measured_unit_times(drawn):
+    cluster, workload = drawn
+    assert_bounds_hold(cluster, workload)
+    best = exhaustive(cluster, workload)
+    for objective in OBJECTIVES:
+        if best[objective] is not None:
+            assert lower_bound(cluster, workload, objective) <= best[objective] * (1 + 1e-9)
+
+
+def assert_bounds_hold(cluster: Cluster, workload: Workload) -> None:
     """The compute-only bottleneck is the least over the plans that fit memory, and the
     latency's relaxation bounds the least latency from below, tightened (peers made critical
     until its optimum uses none twice) or not."""
