@@ -218,11 +218,13 @@ class Daemon:
     # -- between the rooms --------------------------------------------------------------------
 
     async def _own_figures(self) -> protocol.PeerFigures:
-        """This peer's readings, with the units it has loaded and its stage's time per step."""
+        """This peer's readings, with the units it has loaded, its stage's time per step and
+        the memory its units and their K/V occupy."""
         deployment = self.plans.deployment
         return dataclasses.replace(
             await self.monitor.figures(), units=deployment.units, plan=deployment.ready_plan,
             stage_s=self.serving.stage_seconds(),
+            memory_used=self.serving.memory_bytes(deployment.executor),
         )
 
     def _publish_plan(self, plan: protocol.PlanAssignment) -> None:

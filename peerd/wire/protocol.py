@@ -420,7 +420,8 @@ class Battery:
 class PeerFigures:
     """One peer's measurements: FLOP/s on the calibration unit, memory (capped by its
     --memory-budget), CPU load of other processes (0..1), battery, model, loaded units and
-    the plan they belong to, and the measured time per step of its stage."""
+    the plan they belong to, the measured time per step of its stage, and the memory its
+    units and their K/V occupy."""
 
     id: str
     flops: float
@@ -432,10 +433,12 @@ class PeerFigures:
     units: tuple[int, ...]
     plan: str | None = None  # the plan (its key) whose units are loaded, once ready
     stage_s: float | None = None  # recent seconds per step of this peer's stage
+    memory_used: int = 0  # bytes its loaded units' weights and their K/V occupy now
 
     def __post_init__(self):
         _require(self.flops >= 0, "figures: negative flops")
         _require(0 <= self.memory_available <= self.memory_total, "figures: bad memory")
+        _require(self.memory_used >= 0, "figures: negative memory used")
         _require(0 <= self.load <= 1, "figures: load outside 0..1")
 
 
