@@ -48,8 +48,8 @@ def test_status_document_has_the_contract_fields():
     peers = {p["id"]: p for p in document["peers"]}
     assert list(peers) == ["aaaa", "bbbb", "cccc"]
     for peer in peers.values():
-        assert {"id", "name", "address", "state", "flops", "memory_available", "load",
-                "battery", "units", "links"} <= set(peer)
+        assert {"id", "name", "address", "state", "flops", "memory_available", "memory_used",
+                "load", "battery", "units", "links"} <= set(peer)
     assert peers["bbbb"]["state"] == "alive" and peers["cccc"]["state"] == "suspect"
     assert peers["bbbb"]["battery"] == {"percent": 40.0, "plugged": False}
     assert peers["bbbb"]["units"] == [1, 2]
