@@ -164,6 +164,11 @@ class StageExecutor:
     def sequence_count(self) -> int:
         return len(self._state)
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of its units' weights (the manifest's count)."""
+        return sum(unit.weight_bytes for unit in self.units)
+
     def kv_bytes(self) -> int:
         """Bytes of K/V held for all sequences."""
         with self._lock:

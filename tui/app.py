@@ -59,7 +59,12 @@ class DashboardApp(App):
     TITLE = "peerd dashboard"
     BINDINGS = [Binding("ctrl+q", "quit", "quit", priority=True)]
     AUTO_FOCUS = "#prompt"  # typing goes to the chat pane
+    # Below 120 columns the event log takes half the width, below 40 rows the chat pane has
+    # fewer: at 80×24 every pane keeps its lines to one row each (cut with "…" where too long).
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (40, "-tall")]
     CSS = """
+    #summary { text-wrap: nowrap; text-overflow: ellipsis; }
     #summary { height: auto; padding: 0 1; background: $boost; }
     PeersTable { height: auto; max-height: 40%; }
     #main { height: 1fr; }
@@ -69,6 +74,8 @@ class DashboardApp(App):
     RateCharts Sparkline { height: 2; margin-bottom: 1; }
     EventLog { width: 2fr; height: 1fr; border: round $primary; }
     ChatPane { height: 11; border: round $secondary; }
+    .-narrow #left, .-narrow EventLog { width: 1fr; }
+    .-short ChatPane { height: 8; }
     #transcript-scroll { height: 1fr; }
     """
 
@@ -90,7 +97,7 @@ class DashboardApp(App):
         self.last_answer_tps: float | None = None
 
     def compose(self) -> ComposeResult:
-        yield Static("connecting to the daemon…", id="summary")
+        yield Summary("connecting to the daemon…", id="summary")
         yield PeersTable()
         with Horizontal(id="main"):
             with Vertical(id="left"):
@@ -108,6 +115,9 @@ class DashboardApp(App):
     # -- the feed ------------------------------------------------------------------------------
 
     def on_new_status(self, message: NewStatus) -> None:
+        if names(message.status) != names(self.status):
+            with contextlib.suppress(NoMatches):  # see _redraw
+                self.query_one(EventLog).rename(names(message.status))
         self.status, self.trouble = message.status, None
         self.rates.add(message.status.get("dataplane"), time.monotonic())
         self._redraw()
@@ -146,26 +156,56 @@ class DashboardApp(App):
         self.query_one(RateCharts).show(self.rates)
 
     def _show_summary(self) -> None:
-        summary = self.query_one("#summary", Static)
-        if self.trouble is not None:
-            summary.update(Text(f"{self.trouble} (connecting again)", "bold red"))
-        elif self.status is not None:
-            summary.update(summary_line(self.status))
+        self.query_one(Summary).show(self.status, self.trouble)
 
 
-def summary_line(status: dict[str, Any]) -> Text:
+def summary_line(status: dict[str, Any], width: int | None = None) -> Text:
+    """The header: this peer and its role, then (as `width` cells allow, least needed left
+    out first) the peers alive, the leader, the model and the cluster."""
     known, model = names(status), status.get("model")
     alive = sum(1 for p in status["peers"] if p["state"] == "alive")
-    text = Text()
-    text.append(f"{status['name']}", "bold").append(f" ({status['role']})")
-    text.append(f" · cluster {status['cluster']} · {alive} of {len(status['peers'])} peers alive")
-    text.append(f" · leader {name_of(status['leader'], known)}, epoch {status['epoch']}")
-    if model:
-        text.append(f" · model {model['name']} on {name_of(model['peer'], known)}: "
-                    f"{model['state']}")
-        if model.get("quant"):
-            text.append(f", quant {model['quant']}")
-    return text
+    head = Text().append(status["name"], "bold").append(f" ({status['role']})")
+    parts = [  # (what, the order it is left out in: highest first)
+        (f"{alive} of {len(status['peers'])} peers alive", 0),
+        (f"leader {name_of(status['leader'], known)}, epoch {status['epoch']}", 1),
+        (_model_part(model, known), 2) if model else None,
+        (f"cluster {status['cluster']}", 3),
+    ]
+    kept = [part for part in parts if part is not None]
+    for dropped in sorted(kept, key=lambda part: -part[1]):
+        if width is None or _joined(head, kept).cell_len <= width:
+            break
+        kept.remove(dropped)
+    line = _joined(head, kept)
+    line.no_wrap, line.overflow = True, "ellipsis"
+    return line
+
+
+def _model_part(model: dict[str, Any], known: dict[str, str]) -> str:
+    text = f"model {model['name']} on {name_of(model['peer'], known)}: {model['state']}"
+    return text + (f", quant {model['quant']}" if model.get("quant") else "")
+
+
+def _joined(head: Text, parts: list[tuple[str, int]]) -> Text:
+    return head.copy().append("".join(f" · {what}" for what, _ in parts))
+
+
+class Summary(Static):
+    """The header line: the status's summary at the width it has, or the trouble."""
+
+    _shown: tuple[dict[str, Any] | None, str | None] | None = None
+
+    def show(self, status: dict[str, Any] | None, trouble: str | None) -> None:
+        self._shown = (status, trouble)
+        width = self.content_size.width or None
+        if trouble is not None:
+            self.update(Text(f"{trouble} (connecting again)", "bold red"))
+        elif status is not None:
+            self.update(summary_line(status, width))
+
+    def on_resize(self) -> None:
+        if self._shown is not None:
+            self.show(*self._shown)
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:

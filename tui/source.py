@@ -3,8 +3,10 @@
 `DaemonSource` sends one request per connection and reads the answer lines: `status` (the
 status document), `subscribe` (the event stream) and `chat` (token events, then done).
 `Feed` keeps the dashboard current without polling: one subscription, and a status fetch
-whenever an event says that something changed (fetches coalesce while one is running). When
-the daemon goes away the feed says why and connects again.
+whenever an event says that something changed (fetches coalesce while one is running). A
+subscription starts with the daemon's recent events; after a reconnection those already
+passed on are skipped (by their publication time). When the daemon goes away the feed says
+why and connects again.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ class Feed:
         self.on_event = on_event
         self.on_trouble = on_trouble
         self._stale = asyncio.Event()
+        self._last_at = 0.0  # when the newest event passed on was published
 
     def changed(self) -> None:
         """Fetch the status again (something this client did changed it)."""
@@ -122,6 +125,11 @@ class Feed:
 
     async def _listen(self) -> None:
         async for event in self.source.events():
+            at = event.get("at")
+            if isinstance(at, int | float):
+                if at <= self._last_at:
+                    continue  # kept history already passed on before a reconnection
+                self._last_at = at
             self.on_event(event)
             self._stale.set()
         raise PeerdError("the daemon closed the event stream")

@@ -4,7 +4,8 @@ Each request is one JSON object on one line, ``{"op": NAME, ...}``; the daemon a
 one or more JSON lines. Every answer that is not an event has ``"ok"``: true with the
 result, or false with ``"error"``. A malformed or over-long request (more than
 ``MAX_LINE_BYTES``) gets an error answer and the connection stays usable. ``subscribe``
-answers ``{"ok": true}`` and then streams ``{"event": ...}`` lines until the client leaves.
+answers ``{"ok": true}`` and then streams ``{"event": ...}`` lines until the client leaves:
+first the recent events the daemon kept (`EventBus`), then the new ones as they come.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import contextlib
 import json
 import logging
 import os
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ MAX_LINE_BYTES = 64 * 1024
 # connecting at once (scripts polling status, dashboards) would see theirs refused.
 LISTEN_BACKLOG = 1024
 EVENT_QUEUE = 1000
+EVENT_HISTORY = 200  # recent events a new subscriber receives first
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes including the terminating NUL
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -34,17 +38,22 @@ Op = Callable[[dict[str, Any], Send], Awaitable[None]]
 
 
 class EventBus:
-    """Fan-out of daemon events to subscribers; a slow subscriber loses its oldest events
-    rather than slowing the daemon."""
+    """Fan-out of daemon events to subscribers, with the most recent `history` events kept
+    for subscribers yet to come. Each event is stamped with the time it was published
+    (`at`, Unix seconds). A slow subscriber loses its oldest events rather than slowing the
+    daemon."""
 
-    def __init__(self) -> None:
+    def __init__(self, history: int = EVENT_HISTORY) -> None:
         self._queues: set[asyncio.Queue] = set()
+        self._history: deque[dict[str, Any]] = deque(maxlen=history)
 
     def publish(self, event: dict[str, Any]) -> None:
+        stamped = {**event, "at": time.time()}
+        self._history.append(stamped)
         for queue in self._queues:
             if queue.full():
                 queue.get_nowait()
-            queue.put_nowait(event)
+            queue.put_nowait(stamped)
 
     @property
     def subscribers(self) -> int:
@@ -52,10 +61,14 @@ class EventBus:
 
     @contextlib.contextmanager
     def subscription(self):
+        """(past, queue): the kept events, oldest first, and a queue of every event published
+        from now on. Both are taken with no await between them, so on the one event loop no
+        event falls between the two or is in both."""
         queue: asyncio.Queue = asyncio.Queue(EVENT_QUEUE)
+        past = list(self._history)
         self._queues.add(queue)
         try:
-            yield queue
+            yield past, queue
         finally:
             self._queues.discard(queue)
 

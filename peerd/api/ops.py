@@ -76,7 +76,9 @@ class LocalOps:
         self._stop()
 
     async def subscribe(self, request: dict[str, Any], send: Send) -> None:
-        with self._events.subscription() as queue:
+        with self._events.subscription() as (past, queue):
             await send({"ok": True, "subscribed": True})
+            for event in past:
+                await send(event)
             while True:
                 await send(await queue.get())

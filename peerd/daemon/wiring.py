@@ -220,12 +220,14 @@ class Daemon:
 
     async def _own_figures(self) -> protocol.PeerFigures:
         """This peer's readings, with the units it has loaded, its stage's time per step,
-        each unit's time per decode token and, on a head, what its answers measured."""
+        each unit's time per decode token, the memory its units and their K/V occupy and, on
+        a head, what its answers measured."""
         deployment = self.plans.deployment
         return dataclasses.replace(
             await self.monitor.figures(), units=deployment.units, plan=deployment.ready_plan,
             stage_s=self.serving.stage_seconds(), unit_times=self.serving.unit_clock.figures(),
             answers=self.serving.answer_figures(),
+            memory_used=self.serving.memory_bytes(deployment.executor),
         )
 
     def _publish_plan(self, plan: protocol.PlanAssignment) -> None:

@@ -56,6 +56,7 @@ from peerd.wire.protocol import (
 )
 from peerd.wire.transport import Incoming, Transport, TransportError
 from shards.errors import ModelError, NoTokenizer
+from shards.executor import StageExecutor
 from shards.manifest import Manifest
 from shards.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from shards.tokenizer import TextStream, Tokenizer
@@ -604,7 +605,7 @@ class Serving:
         if plane is None:
             return {"stage": None, "plans": [], "sequences": 0, "kv_bytes": 0, **answers}
         counters = plane.worker.counters
-        executors = {id(p.worker.executor): p.worker.executor for p in self.planes.values()}
+        executors = self._executors()
         return {
             "stage": plane.stage,
             "plan": plane.plan,
@@ -615,6 +616,18 @@ class Serving:
             **answers,
             **dataclasses.asdict(counters),
         }
+
+    def memory_bytes(self, loaded: StageExecutor | None) -> int:
+        """Bytes the weights and K/V of every stage this peer holds occupy: its planes' (an
+        old plane's too, until it retires) and `loaded`, the newest, even before its plane."""
+        executors = self._executors()
+        if loaded is not None:
+            executors[id(loaded)] = loaded
+        return sum(e.weight_bytes + e.kv_bytes() for e in executors.values())
+
+    def _executors(self) -> dict[int, StageExecutor]:
+        """The stage executors of this peer's planes, once each (planes may share one)."""
+        return {id(p.worker.executor): p.worker.executor for p in self.planes.values()}
 
     async def close(self) -> None:
         await self.chat.close()

@@ -481,7 +481,8 @@ class PeerFigures:
     """One peer's measurements: FLOP/s on the calibration unit, memory (capped by its
     --memory-budget), CPU load of other processes (0..1), battery, model, loaded units and
     the plan they belong to, the measured time per step of its stage and per decode token of
-    each unit it ran, and, on a head, what its answers measured."""
+    each unit it ran, the memory its units and their K/V occupy, and, on a head, what its
+    answers measured."""
 
     id: str
     flops: float
@@ -495,10 +496,12 @@ class PeerFigures:
     stage_s: float | None = None  # recent seconds per step of this peer's stage
     unit_times: UnitTimes | None = None
     answers: AnswerFigures | None = None
+    memory_used: int = 0  # bytes its loaded units' weights and their K/V occupy now
 
     def __post_init__(self):
         _require(self.flops >= 0, "figures: negative flops")
         _require(0 <= self.memory_available <= self.memory_total, "figures: bad memory")
+        _require(self.memory_used >= 0, "figures: negative memory used")
         _require(0 <= self.load <= 1, "figures: load outside 0..1")
 
 

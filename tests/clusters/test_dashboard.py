@@ -15,12 +15,15 @@ import asyncio
 import shutil
 import subprocess
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 from battery_file import set_battery
 from netns import PEERD
+from rich.cells import cell_len
 from sharding import reference, seed_shard_cache
+from textual.widget import Widget
 from waiting import eventually
 
 from peerd import statedir
@@ -29,11 +32,12 @@ from peerd.commands.client import call
 from peerd.commands.local_cluster import LocalCluster
 from peerd.control.coordinator import REPLAN_SETTLE_S
 from shards.tokenizer import Tokenizer
-from tui.app import DashboardApp, summary_line
+from tui.app import DashboardApp, Summary, summary_line
+from tui.figures import size
 from tui.source import DaemonSource, Feed
 from tui.widgets.chat import ChatPane
 from tui.widgets.events import EventLog, describe
-from tui.widgets.peers import PeersTable
+from tui.widgets.peers import COLUMNS, PeersTable
 from tui.widgets.plan import Measured, PlanView, bar, draw_plan
 
 SCREEN = (160, 50)
@@ -80,8 +84,10 @@ def _dashboard(cluster: LocalCluster) -> DashboardApp:
     return DashboardApp(leader, chat_max_tokens=NEW_TOKENS)
 
 
-def _rows(table: PeersTable) -> list[list[str]]:
-    return [table.get_row_at(i) for i in range(table.row_count)]
+def _rows(table: PeersTable) -> list[dict[str, str]]:
+    """Each row's cells by column key."""
+    return [{str(column.value): str(table.get_cell(row, column)) for column in table.columns}
+            for row in table.rows]
 
 
 def _plan_text(app: DashboardApp) -> str:
@@ -103,12 +109,13 @@ async def test_it_shows_the_peers_the_leader_the_plan_and_live_events(cluster):
         app = pilot.app
         table = app.query_one(PeersTable)
         await eventually(lambda: table.row_count == 3 and all(
-            row[3] == "alive" and row[4] != "-" for row in _rows(table)
+            row["state"] == "alive" and row["flops"] != "-" for row in _rows(table)
         ), "three measured peers, all alive", SHOWN_S)
         truth = call(leader_dir, {"op": "status"})["status"]
         names = {p["id"]: p["name"] for p in truth["peers"]}
-        assert sorted(row[0].removesuffix(" *") for row in _rows(table)) == sorted(names.values())
-        assert [row[0] for row in _rows(table) if row[2] == "leader"] == [
+        assert sorted(row["name"].removesuffix(" *") for row in _rows(table)) == sorted(
+            names.values())
+        assert [row["name"] for row in _rows(table) if row["role"] == "leader"] == [
             names[truth["leader"]] + " *"
         ]
 
@@ -118,16 +125,17 @@ async def test_it_shows_the_peers_the_leader_the_plan_and_live_events(cluster):
             return f"plan {plan['id']} " in picture and all(
                 f"{names[s['peer']]}" in picture
                 and f"{s['units'][0]}-{s['units'][-1]} ({len(s['units'])})" in picture
-                and table.get_row(s["peer"])[8].startswith(f"{s['units'][0]}-{s['units'][-1]} ")
+                and table.get_cell(s["peer"], "units").startswith(
+                    f"{s['units'][0]}-{s['units'][-1]} ")
                 for s in plan["stages"]
             )
 
         await eventually(shows_the_plan, "the leader's plan in the picture and the table",
                          SHOWN_S)
         log = app.query_one(EventLog)
-        measured = await eventually(lambda: log.of_kind("measurements"),
-                                    "a measurement round in the event log", SHOWN_S)
-        assert measured[0].line.startswith("measured 3 peers and 6 links")
+        await eventually(lambda: [e for e in log.of_kind("measurements")
+                                  if e.line.startswith("measured 3 peers and 6 links")],
+                         "a measurement round of the three in the event log", SHOWN_S)
 
 
 @pytest.mark.cluster
@@ -154,7 +162,8 @@ async def test_a_chat_typed_in_the_pane_streams_the_reference_answer(cluster):
         assert costs, "the answer says what each stage cost"
         shown = {stages[c["stage"]]["peer"]: f"{1000 * c['compute_s'] / c['steps']:.2f}"
                  for c in costs}
-        await eventually(lambda: all(table.get_row(peer)[9] == ms for peer, ms in shown.items()),
+        await eventually(lambda: all(table.get_cell(peer, "ms") == ms
+                                     for peer, ms in shown.items()),
                          "the stages' compute time per token in the peers table", SHOWN_S)
 
 
@@ -235,9 +244,21 @@ def test_the_summary_line_names_the_models_quantisation():
     status = {"name": "desk", "role": "leader", "cluster": "c0ffee", "leader": "aaaa",
               "epoch": 2, "peers": [{"id": "aaaa", "name": "desk", "state": "alive"}],
               "model": {"name": "m", "peer": "aaaa", "state": "ready", "quant": "int4"}}
-    assert summary_line(status).plain.endswith("· model m on desk: ready, quant int4")
+    assert "· model m on desk: ready, quant int4 ·" in summary_line(status).plain
     sharding = {**status["model"], "state": "sharding", "quant": None}
-    assert summary_line({**status, "model": sharding}).plain.endswith(": sharding")
+    assert ": sharding ·" in summary_line({**status, "model": sharding}).plain
+
+
+def test_a_narrow_summary_leaves_out_the_cluster_then_the_model_then_the_leader():
+    status = {"name": "desk", "role": "leader", "cluster": "c0ffee", "leader": "aaaa",
+              "epoch": 2, "peers": [{"id": "aaaa", "name": "desk", "state": "alive"}],
+              "model": {"name": "m", "peer": "aaaa", "state": "ready"}}
+    full = summary_line(status).plain
+    assert full == ("desk (leader) · 1 of 1 peers alive · leader desk, epoch 2 · "
+                    "model m on desk: ready · cluster c0ffee")
+    assert summary_line(status, len(full)).plain == full
+    assert summary_line(status, len(full) - 1).plain == full.removesuffix(" · cluster c0ffee")
+    assert summary_line(status, 40).plain == "desk (leader) · 1 of 1 peers alive"
 
 
 @pytest.mark.cluster
@@ -261,6 +282,136 @@ async def test_a_rebalance_shows_in_the_log_with_its_reason(two_hold):
                          "the new plan, with the rebalance as its reason", SHOWN_S)
 
 
+def _lines(widget: Widget) -> list[str]:
+    return str(widget.content).splitlines()  # type: ignore[attr-defined]
+
+
+def _one_row_each(widget: Widget) -> bool:
+    """Each line of the widget's content takes one row of its height: none wrapped."""
+    return widget.content_size.height == len(_lines(widget))
+
+
+def _within(widget: Widget, lines: list[str]) -> bool:
+    return all(cell_len(line) <= widget.content_size.width for line in lines)
+
+
+def _assert_nothing_wraps(app: DashboardApp, summary_parts: tuple[str, ...]) -> None:
+    summary = app.query_one(Summary)
+    header = str(summary.content)
+    assert _one_row_each(summary) and summary.size.height == 1, header
+    assert _within(summary, _lines(summary)), "the header is whole, not cut"
+    assert all(part in header for part in summary_parts), header
+
+    table = app.query_one(PeersTable)
+    assert table.virtual_size.width <= table.scrollable_content_region.width, (
+        "the peers table needs no sideways scrolling"
+    )
+    assert {"name", "state", "memory", "units"} <= {str(c.value) for c in table.columns}
+
+    plan = app.query_one(PlanView)
+    assert _one_row_each(plan) and _within(plan, _lines(plan)), _plan_text(app)
+    stage_lines = [line for line in _lines(plan) if "█" in line]
+    stages = app.status["plan"]["stages"]
+    assert len(stage_lines) == len(stages) and all(
+        line.rstrip().endswith(f"{s['units'][0]}-{s['units'][-1]} ({len(s['units'])})")
+        or "⟲ token to" in line for line, s in zip(stage_lines, stages, strict=True))
+
+    log = app.query_one(EventLog)
+    width = log.scrollable_content_region.width
+    assert log.virtual_size.height == len(log.entries), "each event is one row"
+    assert log.virtual_size.width <= width
+    assert all(log.render_line(y).cell_length == width for y in range(log.size.height))
+
+
+@pytest.mark.cluster
+async def test_at_80_columns_every_pane_fits_without_wrapping_and_wider_shows_more(cluster):
+    _, running = cluster
+    async with _dashboard(running).run_test(size=(80, 24)) as pilot:
+        app = pilot.app
+        table, log = app.query_one(PeersTable), app.query_one(EventLog)
+        await eventually(lambda: app.status and (app.status.get("plan") or {}).get("stages")
+                         and table.row_count == 3 and log.entries,
+                         "the status, the plan and events", SHOWN_S)
+        await pilot.pause()
+        _assert_nothing_wraps(app, (app.status["name"], "3 of 3 peers alive"))
+
+        await pilot.resize_terminal(160, 50)
+        plan = app.query_one(PlanView)
+        await eventually(lambda: _one_row_each(plan), "the plan laid out anew", SHOWN_S)
+        _assert_nothing_wraps(app, (app.status["name"], "3 of 3 peers alive",
+                                    f"cluster {app.status['cluster']}"))
+        assert [str(c.value) for c in table.columns] == [c.key for c in COLUMNS], (
+            "every column at 160 columns"
+        )
+
+
+@pytest.mark.cluster
+async def test_events_from_before_the_dashboard_opened_are_shown_at_once(cluster):
+    _, running = cluster
+    leader_dir = _dir_of(running, running.status(0)["leader"])
+    truth = call(leader_dir, {"op": "status"})["status"]
+    opened = time.time()
+    async with DashboardApp(leader_dir).run_test(size=SCREEN) as pilot:
+        log = pilot.app.query_one(EventLog)
+        earlier = await eventually(lambda: [e for e in log.entries if e.at < opened],
+                                   "the daemon's kept events in the log", SHOWN_S)
+        plans = [e for e in log.of_kind("plan") if e.at < opened]
+        assert plans and plans[-1].event["plan_id"] == truth["plan"]["id"], (
+            "the plan made long before, with its time"
+        )
+        others = {p["name"] for p in truth["peers"] if not p["self"]}
+        assert {e.event["name"] for e in log.of_kind("peer") if e.at < opened} >= others, (
+            "the other peers' arrivals, though all came before"
+        )
+        assert [e.at for e in earlier] == sorted(e.at for e in earlier)
+
+
+@pytest.mark.cluster
+async def test_repeated_events_collapse_into_one_line_with_a_count(cluster):
+    """A settled cluster's measurement rounds (one a second) read the same each time."""
+    _, running = cluster
+    async with _dashboard(running).run_test(size=SCREEN) as pilot:
+        log = pilot.app.query_one(EventLog)
+
+        def repeated():
+            last = log.entries[-1] if log.entries else None
+            return last if last and last.kind == "measurements" and last.count >= 2 else None
+
+        first = await eventually(repeated, "a measurement line counted twice", SHOWN_S)
+        grown = await eventually(lambda: (e := repeated()) and e.count > first.count and e,
+                                 "the same line counting the next round", SHOWN_S)
+        assert grown.line == first.line and grown.at > first.at
+        row = len(log.entries) - 1 - log.scroll_offset.y
+        assert log.render_line(row).text.rstrip().endswith(f"{grown.line} ×{grown.count}")
+        assert all((a.kind, a.line) != (b.kind, b.line) for a, b in pairwise(log.entries)), (
+            "no two rows in a row read the same"
+        )
+
+
+@pytest.mark.cluster
+async def test_memory_shows_what_each_stage_peers_units_occupy_against_its_budget(cluster):
+    _, running = cluster
+    async with _dashboard(running).run_test(size=SCREEN) as pilot:
+        app = pilot.app
+        table = app.query_one(PeersTable)
+
+        def stage_peers():
+            status = app.status
+            plan = (status or {}).get("plan") or {}
+            peers = {p["id"]: p for p in (status or {}).get("peers", [])}
+            held = [peers[s["peer"]] for s in plan.get("stages", [])
+                    if peers.get(s["peer"], {}).get("units") == s["units"]]
+            return held if held and len(held) == len(plan["stages"]) else None
+
+        held = await eventually(stage_peers, "every stage peer with its units loaded", SHOWN_S)
+        for peer in held:
+            assert peer["memory_used"] > 0, peer["name"]
+            assert peer["memory_used"] <= peer["memory_total"]
+            cell = table.get_cell(peer["id"], "memory")
+            assert cell == f"{size(peer['memory_used'])} / {size(peer['memory_total'])}"
+            assert not cell.startswith("0 B")
+
+
 @pytest.mark.cluster
 async def test_a_peer_lost_and_back_shows_in_the_log_the_table_and_the_plan(cluster):
     """Runs last: it kills a peer of the shared cluster, then starts it again."""
@@ -276,9 +427,10 @@ async def test_a_peer_lost_and_back_shows_in_the_log_the_table_and_the_plan(clus
         log, table = app.query_one(EventLog), app.query_one(PeersTable)
         await eventually(lambda: _plan_lines(log, f"left: {victim['name']}"),
                          "the re-plan naming the peer that left", SHOWN_S)
-        await eventually(lambda: [e for e in log.of_kind("peer") if e.event["id"] == victim["id"]],
+        await eventually(lambda: [e for e in log.of_kind("peer") if e.event["id"] == victim["id"]
+                                  and e.event["state"] != "alive"],
                          "the peer's change of state in the log", SHOWN_S)
-        await eventually(lambda: table.get_row(victim["id"])[3] != "alive",
+        await eventually(lambda: table.get_cell(victim["id"], "state") != "alive",
                          "the peers table to show the loss", SHOWN_S)
         cause = f"no stages: peer {victim['name']} (units "
         await eventually(lambda: cause in _plan_text(app)

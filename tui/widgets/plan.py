@@ -1,6 +1,7 @@
 """The plan as a picture: the ring of stages, each peer's unit range drawn to scale over the
 model's units, the residual links (from the daemon's `plan` event), and the planner's
-predicted throughput beside the measured one."""
+predicted throughput beside the measured one. The bars are as long as the pane's width
+allows (BAR_WIDTH at most); a line still too long ends in an ellipsis, never wraps."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from textual.widgets import Static
 from tui.figures import name_of, rate, span
 
 BAR_WIDTH = 40
+MIN_BAR_WIDTH = 4
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,9 @@ class Measured:
 
 
 def draw_plan(status: dict[str, Any], known: dict[str, str],
-              plan_event: dict[str, Any] | None, measured: Measured) -> Text:
+              plan_event: dict[str, Any] | None, measured: Measured,
+              width: int | None = None) -> Text:
+    """The picture; `width`: the cells each line may take (None: as many as it needs)."""
     plan, model = status.get("plan"), status.get("model") or {}
     if plan is None:
         return Text("no plan yet" + (f": model {model['state']}" if model else ""), "dim")
@@ -35,9 +39,9 @@ def draw_plan(status: dict[str, Any], known: dict[str, str],
         return text.append("\nno stages: ", "bold red").append(plan["problem"] or "")
     total = model.get("units") or plan["stages"][-1]["units"][-1] + 1
     text.append(f", {total} units\n")
-    width = max(len(name_of(s["peer"], known)) for s in plan["stages"])
+    layout = _StageLayout.of(plan["stages"], known, width)
     for index in range(len(plan["stages"])):
-        text.append_text(_stage_line(index, plan["stages"], total, known, width))
+        text.append_text(_stage_line(index, plan["stages"], total, known, layout))
     if plan_event is not None and (plan_event["epoch"], plan_event["plan_id"]) == (
         plan["epoch"], plan["id"]
     ):
@@ -60,17 +64,43 @@ def bar(first: int, last: int, total: int, width: int = BAR_WIDTH) -> tuple[int,
     return start, min(end, width)
 
 
+@dataclass(frozen=True)
+class _StageLayout:
+    """The cells of a stage line's parts: the peer's name, the bar, the units' label, and
+    the whole line's (None: as many as it needs)."""
+
+    name: int
+    bar: int
+    label: int
+    width: int | None
+
+    @classmethod
+    def of(cls, stages: list[dict[str, Any]], known: dict[str, str],
+           width: int | None) -> _StageLayout:
+        name = max(len(name_of(s["peer"], known)) for s in stages)
+        label = max(len(_units_label(s["units"])) for s in stages)
+        rest = 3 + name + 2 + 2 + label  # the ring and the gaps around the bar
+        bar_cells = BAR_WIDTH if width is None else min(BAR_WIDTH, width - rest)
+        return cls(name, max(MIN_BAR_WIDTH, bar_cells), label, width)
+
+
+def _units_label(units: list[int]) -> str:
+    return f"{span(units[0], units[-1])} ({len(units)})"
+
+
 def _stage_line(index: int, stages: list[dict[str, Any]], total: int,
-                known: dict[str, str], width: int) -> Text:
+                known: dict[str, str], layout: _StageLayout) -> Text:
     units, count = stages[index]["units"], len(stages)
-    start, end = bar(units[0], units[-1], total)
+    start, end = bar(units[0], units[-1], total, layout.bar)
     ring = "⟳ " if count == 1 else "╭▶" if index == 0 else "╰─" if index == count - 1 else "│ "
-    line = Text(f"{ring} {name_of(stages[index]['peer'], known):<{width}}  ")
+    line = Text(f"{ring} {name_of(stages[index]['peer'], known):<{layout.name}}  ")
     line.append("░" * start, "dim").append("█" * (end - start), f"color({index % 6 + 2})")
-    line.append("░" * (BAR_WIDTH - end), "dim")
-    line.append(f"  {span(units[0], units[-1]):>7} ({len(units)})")
-    if index == count - 1 and count > 1:
-        line.append(f"  ⟲ token to {name_of(stages[0]['peer'], known)}", "dim")
+    line.append("░" * (layout.bar - end), "dim")
+    line.append(f"  {_units_label(units):>{layout.label}}")
+    back = f"  ⟲ token to {name_of(stages[0]['peer'], known)}"
+    fits = layout.width is None or line.cell_len + len(back) <= layout.width
+    if index == count - 1 and count > 1 and fits:
+        line.append(back, "dim")
     return line.append("\n")
 
 
@@ -84,9 +114,27 @@ def _residuals(links: list[dict[str, Any]], known: dict[str, str]) -> Text:
     return text.append("\n")
 
 
+def cut(text: Text, width: int | None) -> Text:
+    """`text` with each line longer than `width` cells ending in an ellipsis at that width."""
+    if width is None:
+        return text
+    lines = text.split("\n")
+    for line in lines:
+        line.truncate(width, overflow="ellipsis")
+    return Text("\n").join(lines)
+
+
 class PlanView(Static):
-    """The plan picture; `show` redraws it."""
+    """The plan picture; `show` redraws it at the pane's width, again when that changes."""
+
+    _shown: tuple[dict[str, Any], dict[str, str], dict[str, Any] | None, Measured] | None = None
 
     def show(self, status: dict[str, Any], known: dict[str, str],
              plan_event: dict[str, Any] | None, measured: Measured) -> None:
-        self.update(draw_plan(status, known, plan_event, measured))
+        self._shown = (status, known, plan_event, measured)
+        width = self.content_size.width or None
+        self.update(cut(draw_plan(status, known, plan_event, measured, width), width))
+
+    def on_resize(self) -> None:
+        if self._shown is not None:
+            self.show(*self._shown)

@@ -7,6 +7,7 @@ import logging
 import socket
 import stat
 import struct
+import time
 
 import pytest
 import uvloop
@@ -14,6 +15,7 @@ import uvloop
 from peerd import statedir
 from peerd.api import status
 from peerd.api.local_api import MAX_LINE_BYTES, EventBus, LocalApi
+from peerd.api.ops import LocalOps
 from peerd.cluster import election, membership
 from peerd.cluster.records import PeerRecord
 from peerd.commands import chat, client
@@ -46,8 +48,8 @@ def test_status_document_has_the_contract_fields():
     peers = {p["id"]: p for p in document["peers"]}
     assert list(peers) == ["aaaa", "bbbb", "cccc"]
     for peer in peers.values():
-        assert {"id", "name", "address", "state", "flops", "memory_available", "load",
-                "battery", "units", "links"} <= set(peer)
+        assert {"id", "name", "address", "state", "flops", "memory_available", "memory_used",
+                "load", "battery", "units", "links"} <= set(peer)
     assert peers["bbbb"]["state"] == "alive" and peers["cccc"]["state"] == "suspect"
     assert peers["bbbb"]["battery"] == {"percent": 40.0, "plugged": False}
     assert peers["bbbb"]["units"] == [1, 2]
@@ -72,11 +74,13 @@ def test_status_renders_as_a_readable_table():
 
 
 class Server:
-    def __init__(self, state_dir):
-        self.bus = EventBus()
+    def __init__(self, state_dir, history: int = 200):
+        self.bus = EventBus(history)
         self.stopped = asyncio.Event()
+        ops = LocalOps(sample_status, self.bus, self.op_fail, lambda enabled: None,
+                       self.stopped.set)
         self.api = LocalApi(statedir.socket_path(state_dir), {
-            "status": self.op_status, "stop": self.op_stop, "subscribe": self.op_subscribe,
+            "status": self.op_status, "stop": self.op_stop, "subscribe": ops.subscribe,
             "fail": self.op_fail, "crash": self.op_crash,
         })
 
@@ -87,12 +91,6 @@ class Server:
         await send({"ok": True})
         self.stopped.set()
         await self.api.close()
-
-    async def op_subscribe(self, request, send):
-        with self.bus.subscription() as queue:
-            await send({"ok": True})
-            while True:
-                await send(await queue.get())
 
     async def op_fail(self, request, send):
         raise PeerdError("that did not work")
@@ -147,7 +145,7 @@ async def test_bad_requests_get_errors_and_the_connection_keeps_working(server):
 async def test_subscribers_receive_published_events(server):
     reader, writer = await asyncio.open_unix_connection(str(server.api.path))
     writer.write(b'{"op": "subscribe"}\n')
-    assert json.loads(await reader.readline()) == {"ok": True}
+    assert json.loads(await reader.readline()) == {"ok": True, "subscribed": True}
     server.bus.publish({"event": "leader", "leader": "aaaa", "epoch": 4})
     server.bus.publish({"event": "peer", "id": "bbbb", "state": "dead"})
     got = [json.loads(await asyncio.wait_for(reader.readline(), 5)) for _ in range(2)]
@@ -157,10 +155,56 @@ async def test_subscribers_receive_published_events(server):
 
 async def test_a_slow_subscriber_loses_its_oldest_events():
     bus = EventBus()
-    with bus.subscription() as queue:
+    with bus.subscription() as (_, queue):
         for i in range(queue.maxsize + 5):
             bus.publish({"n": i})
-        assert queue.qsize() == queue.maxsize and queue.get_nowait() == {"n": 5}
+        assert queue.qsize() == queue.maxsize and queue.get_nowait()["n"] == 5
+
+
+def test_the_bus_keeps_the_latest_events_stamped_with_their_time():
+    bus = EventBus(history=200)
+    before = time.time()
+    for i in range(250):
+        bus.publish({"event": "tick", "n": i})
+    with bus.subscription() as (past, queue):
+        assert [e["n"] for e in past] == list(range(50, 250)), "the latest 200, oldest first"
+        assert before <= past[0]["at"] <= past[-1]["at"] <= time.time()
+        assert queue.empty(), "the kept events are not queued again"
+        bus.publish({"event": "tick", "n": 250})
+        assert queue.get_nowait()["n"] == 250
+
+
+async def test_a_subscriber_gets_the_history_then_live_events_without_gap_or_repeat(tmp_path):
+    """Events published all the while a client subscribes over the real socket: what it
+    reads is one unbroken run, the kept history first, up to the last event published."""
+    server = Server(tmp_path, history=50)
+    await server.api.start()
+    published = 0
+
+    async def publish(until: int) -> None:
+        nonlocal published
+        while published < until:
+            server.bus.publish({"event": "tick", "n": published})
+            published += 1
+            await asyncio.sleep(0)
+
+    try:
+        await publish(120)
+        publishing = asyncio.create_task(publish(600))
+        reader, writer = await asyncio.open_unix_connection(str(server.api.path))
+        writer.write(b'{"op": "subscribe"}\n')
+        assert json.loads(await reader.readline()) == {"ok": True, "subscribed": True}
+        subscribed_after = published
+        seen = [json.loads(await asyncio.wait_for(reader.readline(), 5))["n"]]
+        while seen[-1] < 599:
+            seen.append(json.loads(await asyncio.wait_for(reader.readline(), 5))["n"])
+        await publishing
+        writer.close()
+    finally:
+        await server.api.close()
+    assert seen == list(range(seen[0], 600)), "no event missing, none twice"
+    # the history was taken after the first 120 events and before the answer was read
+    assert 120 - 50 <= seen[0] <= subscribed_after - 50, "it starts with the 50 kept events"
 
 
 def _args(state_dir, **extra) -> argparse.Namespace:
