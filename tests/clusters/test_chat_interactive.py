@@ -12,20 +12,16 @@ weights another.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
-import select
 import shutil
-import signal
 import subprocess
 import sys
-import termios
 import time
 from pathlib import Path
 
 import pytest
 from sharding import reference, seed_shard_cache
+from terminal import Terminal
 
 from peerd.commands.chat import HISTORY_NAME, PROMPT, STOPPED
 from peerd.commands.local_cluster import LocalCluster
@@ -59,76 +55,9 @@ def cluster(model_dir, tmp_path_factory):
         yield cluster
 
 
-class Terminal:
-    """`peerd chat` on a pseudo-terminal: keys typed at it and what it prints.
-
-    Output processing is off (a newline stays one byte) and typed keys are not echoed, so
-    the screen holds exactly the bytes the session wrote.
-    """
-
-    def __init__(self, args: list[str]) -> None:
-        self.fd, tty = os.openpty()
-        attrs = termios.tcgetattr(tty)
-        attrs[1] &= ~termios.OPOST
-        attrs[3] = (attrs[3] | termios.ISIG | termios.ICANON) & ~termios.ECHO
-        termios.tcsetattr(tty, termios.TCSANOW, attrs)
-        self.process = subprocess.Popen(
-            args, stdin=tty, stdout=tty, stderr=tty, start_new_session=True,
-            preexec_fn=_controlling_terminal,
-        )
-        os.close(tty)
-        self.screen = b""
-        self._seen = 0
-
-    def type(self, keys: bytes) -> None:
-        os.write(self.fd, keys)
-
-    def read_until(self, text: str, timeout: float = ANSWER_S) -> str:
-        """What was printed since the last read, up to and including `text`."""
-        wanted = text.encode()
-        deadline = time.monotonic() + timeout
-        while (end := self.screen.find(wanted, self._seen)) < 0:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._read(left):
-                raise AssertionError(f"no {text!r} on the screen: {self.screen[-400:]!r}")
-        printed = self.screen[self._seen : end + len(wanted)]
-        self._seen = end + len(wanted)
-        return printed.decode()
-
-    def answer(self) -> str:
-        """The answer printed after the last prompt, once the next prompt is shown."""
-        return self.read_until("\n" + PROMPT).removesuffix("\n" + PROMPT)
-
-    def wait_for_output(self, timeout: float = ANSWER_S) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.screen) == self._seen:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._read(left):
-                raise AssertionError("the session printed nothing")
-
-    def _read(self, timeout: float) -> bool:
-        """Read what is there within `timeout`; False once the session closed the terminal."""
-        if select.select([self.fd], [], [], timeout)[0]:
-            try:
-                chunk = os.read(self.fd, 65536)
-            except OSError:  # EIO: every process holding the terminal has exited
-                return False
-            self.screen += chunk
-            return bool(chunk)
-        return True
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=10)
-        os.close(self.fd)
-
-
-def _controlling_terminal() -> None:
-    """In the child: the pty on stdin becomes its controlling terminal, and Ctrl-C is
-    SIGINT's default again (a background job of a shell inherits it ignored)."""
-    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def _answer(session: Terminal) -> str:
+    """The answer printed after the last prompt, once the next prompt is shown."""
+    return session.read_until("\n" + PROMPT).removesuffix("\n" + PROMPT)
 
 
 def _chat(state_dir: Path, *args: str) -> list[str]:
@@ -184,19 +113,19 @@ def test_a_terminal_session_is_one_conversation_until_reset(cluster, model_dir):
     try:
         session.read_until(PROMPT)
         session.type(f"{first}\n".encode())
-        assert session.answer() == _printed(model_dir, [_user(first)], SHORT)
+        assert _answer(session) == _printed(model_dir, [_user(first)], SHORT)
 
         session.type(f"{second}\n".encode())
         answer = _expected(model_dir, [_user(first)], SHORT)
         conversation = [_user(first), {"role": "assistant", "content": answer}, _user(second)]
         expected = _printed(model_dir, conversation, SHORT)
         assert expected != _printed(model_dir, [_user(second)], SHORT), "the history matters"
-        assert session.answer() == expected
+        assert _answer(session) == expected
 
         session.type(b"/reset\n")
         assert "cleared" in session.read_until(PROMPT)
         session.type(f"{third}\n".encode())
-        assert session.answer() == _printed(model_dir, [_user(third)], SHORT)
+        assert _answer(session) == _printed(model_dir, [_user(third)], SHORT)
 
         session.type(b"\x03")  # Ctrl-C at the prompt leaves
         assert session.process.wait(timeout=10) == 0
@@ -216,11 +145,11 @@ def test_the_up_arrow_asks_an_earlier_question_again_in_this_session_and_the_nex
     try:
         session.read_until(PROMPT)
         session.type(f"{question}\n".encode())
-        assert session.answer() == expected
+        assert _answer(session) == expected
         session.type(b"/reset\n")
         assert "cleared" in session.read_until(PROMPT)
         session.type(UP + UP + b"\n")  # past /reset to the question
-        assert session.answer() == expected, "the same question, asked afresh"
+        assert _answer(session) == expected, "the same question, asked afresh"
         session.type(b"\x04")
         assert session.process.wait(timeout=10) == 0
     finally:
@@ -231,7 +160,7 @@ def test_the_up_arrow_asks_an_earlier_question_again_in_this_session_and_the_nex
     try:
         session.read_until(PROMPT)
         session.type(UP + b"\n")
-        assert session.answer() == expected
+        assert _answer(session) == expected
         session.type(b"\x03")
         assert session.process.wait(timeout=10) == 0
     finally:
