@@ -6,8 +6,6 @@ from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from planner.errors import PlannerError
 
@@ -89,6 +87,11 @@ class Mip:
         HiGHS presolve stays off: on these models it has reported wrong optima as optimal
         (found by tests/units/planner/test_planner_properties.py; HiGHS issues #1725, #3094).
         """
+        # imported here: scipy takes a second or more to import, and of the processes that
+        # import the planner (every daemon, `peerd demo`) only a leader that plans needs it
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_matrix
+
         c = np.zeros(self._count)
         for i, value in cost.items():
             c[i] += -value if maximize else value

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from shards.errors import ModelError
 from shards.manifest import GRANULARITIES, MANIFEST_NAME, Manifest, ManifestError, Quant
 from shards.source import open_model
 
@@ -90,6 +91,23 @@ def shard(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return ShardResult(manifest, out_dir, True, time.perf_counter() - started)
+
+
+def cached(model_dir: Path, shard_root: Path,
+           options: ShardOptions = ShardOptions()) -> ShardResult | None:
+    """What `shard(model_dir, None, shard_root, options)` would reuse, found without it: the
+    complete earlier result under `shard_root`, or None when there is work to do or a problem
+    (which `shard` meets again and reports)."""
+    started = time.perf_counter()
+    try:
+        key = shard_key(source_digest(model_dir), options)
+        directory = Path(shard_root) / key
+        manifest = reusable(directory, key)
+    except (ModelError, ShardError, OSError):
+        return None
+    if manifest is None:
+        return None
+    return ShardResult(manifest, directory, False, time.perf_counter() - started)
 
 
 def source_digest(model_path: Path) -> str:

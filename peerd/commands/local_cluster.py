@@ -3,40 +3,48 @@
 Used by `peerd demo` and the benchmarks. The model is sharded first into the model peer's
 shard cache (which that peer's daemon then finds ready); that cache may be a directory that
 outlives the cluster (`shard_cache`: the model peer's `shards` is then a link to it), where
-the units of an earlier run with the same key are reused. Every peer gets a memory budget
-(by default one under which only all of them together can hold the model); the non-model
-peers find the model peer as a static `--peer`, since multicast on the loopback interface
-is not something to count on. Entering the context returns once the cluster has settled:
-every peer in, no re-plan pending on the leader, and the head serving the leader's plan.
-Leaving it terminates the daemons.
+the units of an earlier run with the same key are reused without starting `peerd shard`.
+Every peer gets a memory budget (by default one under which only all of them together can
+hold the model); the non-model peers find the model peer as a static `--peer`, since
+multicast on the loopback interface is not something to count on. The model peer's ports
+are chosen beforehand, so that all the daemons start at once. Entering the context returns
+once the cluster has settled: every peer in and agreeing on a leader that none of them
+outranks enough to challenge, no re-plan pending, and the leader's plan deployed on every
+stage and served by the head. Leaving it terminates the daemons.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
+import random
 import secrets
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from peerd.cluster.election import Candidate, Timing, challenges
 from peerd.commands.client import call
 from peerd.control.planning import context_for
 from peerd.errors import PeerdError
 from peerd.wire import identity
-from peerd.wire.states import ModelState
+from peerd.wire.states import DeployState, ModelState
 from planner.model import Cluster
+from shards.cache import cached
 from shards.cli import SHARDS_SUBDIR
 from shards.manifest import Manifest
 
 BETA = Cluster(source="", devices=()).beta  # the share of its budget a peer offers
 READY_S = 600.0
-# A cluster is ready once every peer is in, the leader has no re-plan waiting (a peer that
-# joined late) and the head has served the leader's plan this long (a leader challenged
-# right after its first plan makes another).
-SETTLE_S = 3.0
+# The model peer's ports (PORT..PORT+2) are drawn from below Linux's ephemeral range, where
+# no outgoing connection takes one between the draw and the daemon's bind.
+PORTS = range(20000, 32000)
+PORT_TRIES = 3  # model peers started, each on ports drawn afresh, before giving up
 SPARE = 0.6  # how far short of one more peer's room the default budgets are (see holder_share)
 
 
@@ -69,17 +77,32 @@ class LocalCluster:
         if self.shard_cache is not None:
             _link_shard_cache(self.dirs[0], self.shard_cache)
         self.manifest = _shard(self.model_dir, self.dirs[0], self.progress)
-        budgets = [budget_share(self.manifest, share) for share in self.shares]
         try:
-            self._start(0, budgets[0], "--model", str(self.model_dir))
-            hello = _wait(lambda: _hello_port(self.dirs[0]), "peer0 to start")
-            for i in range(1, self.count):
-                self._start(i, budgets[i], "--peer", f"127.0.0.1:{hello}")
-            _wait_for_deployment(self.dirs, self.progress)
+            self._start_all([budget_share(self.manifest, share) for share in self.shares])
+            _wait_for_deployment(self.dirs, self._processes, self.progress)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_all(self, budgets: list[str]) -> None:
+        """Start every daemon at once, the others pointed at the model peer's hello port; on
+        other ports when the model peer could not take those (someone took them meanwhile)."""
+        for _ in range(PORT_TRIES):
+            port = _free_ports(3)
+            self._start(0, budgets[0], "--model", str(self.model_dir), "--port", str(port))
+            for i in range(1, self.count):
+                self._start(i, budgets[i], "--peer", f"127.0.0.1:{port}")
+            if _wait(functools.partial(self._model_peer_up, port), "peer0 to start") == "up":
+                return
+            self.stop()
+        raise PeerdError(f"peer0 did not start (see {self.dirs[0] / 'daemon.log'})")
+
+    def _model_peer_up(self, port: int) -> str | None:
+        """"up" once the model peer answers on `port`, "exited" if it exited first."""
+        if self._processes[0].poll() is not None:
+            return "exited"
+        return "up" if _hello_port(self.dirs[0]) == port else None
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -147,9 +170,19 @@ def _link_shard_cache(state_dir: Path, cache: Path) -> None:
 
 
 def _shard(model_dir: Path, state_dir: Path, progress: Callable[[str], None]) -> Manifest:
-    """Shard into the model peer's cache, or find the units there from an earlier run, with
+    """Find the units in the model peer's cache from an earlier run, or shard into it with
     progress on stderr; the manifest."""
     progress("the model's ONNX units: made once, then reused")
+    found = cached(model_dir, state_dir / SHARDS_SUBDIR)
+    if found is None:
+        return _shard_in_child(model_dir, state_dir, progress)
+    progress(f"  reused the {len(found.manifest.units)} units in {found.directory.resolve()}")
+    return found.manifest
+
+
+def _shard_in_child(model_dir: Path, state_dir: Path,
+                    progress: Callable[[str], None]) -> Manifest:
+    """`peerd shard` into the model peer's cache (a child: exporting imports torch)."""
     done = subprocess.run(
         [sys.executable, "-m", "peerd", "shard", str(model_dir), "--json"],
         stdout=subprocess.PIPE, text=True, env={**os.environ, "PEERD_STATE_DIR": str(state_dir)},
@@ -163,6 +196,19 @@ def _shard(model_dir: Path, state_dir: Path, progress: Callable[[str], None]) ->
     else:
         progress(f"  reused the {len(result['units'])} units in {directory}")
     return Manifest.load(directory)
+
+
+def _free_ports(count: int) -> int:
+    """A port P such that P..P+count-1 are free on loopback now."""
+    while True:
+        first = random.choice(PORTS[:-count])
+        with contextlib.ExitStack() as sockets:
+            try:
+                for port in range(first, first + count):
+                    sockets.enter_context(socket.create_server(("127.0.0.1", port)))
+            except OSError:
+                continue  # taken
+        return first
 
 
 def budget_for(manifest: Manifest, peers: int, spare: float = SPARE) -> str:
@@ -205,32 +251,65 @@ def _hello_port(state_dir: Path) -> int | None:
     return None if document is None else document["ports"]["hello"]
 
 
-def _wait_for_deployment(dirs: list[Path], progress: Callable[[str], None]) -> None:
+def _wait_for_deployment(dirs: list[Path], processes: list[subprocess.Popen],
+                         progress: Callable[[str], None]) -> None:
     shown = None
-    serving: tuple[str | None, float] = (None, time.monotonic())
 
     def ready() -> bool:
-        nonlocal shown, serving
+        nonlocal shown
+        for i, process in enumerate(processes):
+            if process.poll() is not None:
+                raise PeerdError(f"the daemon of peer{i} exited with status "
+                                 f"{process.returncode} (see {dirs[i] / 'daemon.log'})")
         statuses = [_status(d) for d in dirs]
-        document = statuses[0]
-        line = _progress(document)
+        line = _progress(statuses[0])
         if line != shown:
             progress(f"  {line}")
             shown = line
-        statuses = [s or {} for s in statuses]
-        plan = next((s["dataplane"]["plan"] for s in statuses
-                     if s.get("dataplane", {}).get("head")), None)
-        if plan != serving[0]:
-            serving = (plan, time.monotonic())
-        if document is None or _alive(document) != len(dirs) or any(
-            s.get("replan_pending") for s in statuses
-        ):
-            return False
-        return plan is not None and plan == _plan_key(document) and (
-            time.monotonic() - serving[1] >= SETTLE_S
-        )
+        return _settled(statuses)
 
     _wait(ready, "the model to be deployed")
+
+
+def _settled(statuses: list[dict | None]) -> bool:
+    """Every peer in, all following one leader that none of them would challenge, no re-plan
+    waiting (a peer that joined late), and the leader's plan deployed on every stage and
+    served by the head: nothing left that would change the plan."""
+    if any(s is None for s in statuses):
+        return False
+    documents = [s for s in statuses if s is not None]
+    leader = next((s for s in documents if s["role"] == "leader"), None)
+    if leader is None or _alive(leader) != len(documents) or any(
+        (s["epoch"], s["leader"], s["replan_pending"]) != (leader["epoch"], leader["self"], False)
+        for s in documents
+    ):
+        return False
+    key = _plan_key(leader)
+    heads = [s["dataplane"]["plan"] for s in documents if s["dataplane"].get("head")]
+    return (key is not None and heads == [key] and _unchallenged(leader)
+            and _deployed(leader["plan"], {s["self"]: s for s in documents}))
+
+
+def _unchallenged(leader: dict) -> bool:
+    """No peer is measured so much faster than the leader, or on mains where it is not, that
+    it would stand against it (peerd/cluster/election.py)."""
+    candidates = {p["id"]: Candidate(p["id"], p["battery"] is None or p["battery"]["plugged"],
+                                     p["flops"] or 0.0) for p in leader["peers"]}
+    if not all(c.measured for c in candidates.values()):
+        return False
+    ruling = candidates[leader["self"]]
+    return not any(challenges(c, ruling, Timing().challenge_margin)
+                   for c in candidates.values() if c is not ruling)
+
+
+def _deployed(plan: dict, by_peer: dict[str, dict]) -> bool:
+    """Every stage's peer has loaded its units of `plan`."""
+    loaded = (plan["id"], plan["epoch"], DeployState.READY)
+    return all(
+        stage["peer"] in by_peer and loaded == tuple(
+            by_peer[stage["peer"]]["deployment"][k] for k in ("plan_id", "epoch", "state"))
+        for stage in plan["stages"]
+    )
 
 
 def _plan_key(document: dict) -> str | None:

@@ -3,12 +3,13 @@ units (peers receive units, never the checkpoint or the GGUF file).
 
 Sharding runs `peerd shard` in a child process: exporting needs torch, and the daemon process
 never imports it. The child writes into the state directory's content-addressed shard cache
-(`<state>/shards/<key>`), so a restart with the same model reuses the units at once. Its
-progress lines are logged as they come. Once done, every file of every unit (its model and its
-data file) is checked against the manifest's sha256 before it is served, so this peer never
-hands out a file that would fail verification on every receiver. `--quant` of `peerd start`
-is passed on to the child: every peer runs the units this one makes, so they all run the same
-quantisation.
+(`<state>/shards/<key>`), so a restart with the same model reuses the units at once: the
+daemon looks there first itself (shards.cache.cached, which needs no torch) and starts no
+child when the units are there. The child's progress lines are logged as they come. Once
+done, every file of every unit (its model and its data file) is checked against the
+manifest's sha256 before it is served, so this peer never hands out a file that would fail
+verification on every receiver. `--quant` of `peerd start` is passed on to the child: every
+peer runs the units this one makes, so they all run the same quantisation.
 
 A child that ran out of space (it exits with EX_TEMPFAIL and names the full directory) leaves
 the model failed until the shard cache's filesystem has more room than it had then; sharding
@@ -31,6 +32,8 @@ from peerd import statedir
 from peerd.control.unit_store import file_sha256
 from peerd.wire.protocol import ManifestOffer
 from peerd.wire.states import ModelState
+from shards.cache import ShardOptions, cached
+from shards.cli import SHARDS_SUBDIR
 from shards.manifest import Manifest, ManifestError, Quant
 from shards.source import open_model
 
@@ -73,6 +76,11 @@ class ModelHost:
         log.info("model %s ready: %s", self.name, self.detail)
 
     async def _shard(self) -> Path:
+        found = await asyncio.to_thread(cached, self.model_dir, self._state_dir / SHARDS_SUBDIR,
+                                        ShardOptions(quant=self.quant))
+        if found is not None:
+            log.info("model %s: the units are in the shard cache already", self.model_dir)
+            return found.directory
         log.info("sharding model %s (quant %s) in a child process", self.model_dir, self.quant)
         self._process = process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "peerd", "shard", str(self.model_dir), "--json",

@@ -1,9 +1,12 @@
 """`peerd demo` as a new user runs it: the first run shards the built-in model into the
-user's cache directory and the second reuses those units as they are; nothing of either is
-left in the temporary directory, nor after Ctrl-C or SIGTERM mid-demo, nor any daemon.
+user's cache directory and the second reuses those units as they are, starting no `peerd
+shard` at all; nothing of either is left in the temporary directory, nor after Ctrl-C or
+SIGTERM mid-demo, nor any daemon.
 
 Each run gets its own cache directory (PEERD_CACHE_DIR) and temporary directory (TMPDIR).
-How much faster the second run is, is bench/demo_cache.py's to measure.
+Every Python process a run starts records its command line (a sitecustomize module on
+PYTHONPATH), so the test sees which children it started. How much faster the second run is,
+is bench/demo_cache.py's to measure.
 """
 
 from __future__ import annotations
@@ -26,6 +29,13 @@ DEMO = [sys.executable, "-m", "peerd", "demo"]
 DEMO_S = 600
 STARTED_S = 300
 LEFT_S = 60  # for an ending demo to stop its daemons and remove its directory
+# sitecustomize.py: every Python process appends its command line to $PEERD_TEST_COMMANDS
+RECORD_COMMAND = """
+import os, sys
+if "PEERD_TEST_COMMANDS" in os.environ:
+    with open(os.environ["PEERD_TEST_COMMANDS"], "a") as log:
+        log.write(" ".join(sys.orig_argv) + "\\n")
+"""
 
 
 class Demo:
@@ -35,14 +45,26 @@ class Demo:
         self.cache = root / "cache"
         self.tmp = root / "tmp"
         self.tmp.mkdir(parents=True)
-        self.env = {**os.environ, "PEERD_CACHE_DIR": str(self.cache), "TMPDIR": str(self.tmp)}
+        probe = root / "probe"
+        probe.mkdir()
+        (probe / "sitecustomize.py").write_text(RECORD_COMMAND)
+        self.commands = root / "commands"
+        path = os.pathsep.join(filter(None, [str(probe), os.environ.get("PYTHONPATH")]))
+        self.env = {**os.environ, "PEERD_CACHE_DIR": str(self.cache), "TMPDIR": str(self.tmp),
+                    "PYTHONPATH": path, "PEERD_TEST_COMMANDS": str(self.commands)}
         self.first = ""  # what the first run printed
+        self.first_commands: list[str] = []  # the Python processes it started
 
     def run(self) -> str:
+        self.commands.unlink(missing_ok=True)
         done = subprocess.run(DEMO, env=self.env, capture_output=True, text=True,
                               timeout=DEMO_S)
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout
+
+    def python_commands(self) -> list[str]:
+        """The command lines of the Python processes the last run started, itself first."""
+        return self.commands.read_text().splitlines()
 
     def start(self) -> subprocess.Popen:
         """A demo in a session of its own, as a terminal's foreground job is."""
@@ -81,7 +103,12 @@ def demo(tmp_path_factory):
     """A user's demo environment after a first run: the units in its cache."""
     demo = Demo(tmp_path_factory.mktemp("demo"))
     demo.first = demo.run()
+    demo.first_commands = demo.python_commands()
     return demo
+
+
+def _shards(commands: list[str]) -> list[str]:
+    return [c for c in commands if re.search(r" -m peerd shard ", c)]
 
 
 def test_the_second_demo_reuses_the_units_the_first_made_and_both_leave_no_trace(demo):
@@ -90,9 +117,14 @@ def test_the_second_demo_reuses_the_units_the_first_made_and_both_leave_no_trace
     assert any(name.endswith("manifest.json") for name in made)
     assert demo.leftovers() == []
 
+    assert _shards(demo.first_commands), "the first run sharded in a `peerd shard` child"
+
     second = demo.run()
     assert f"reused the 18 units in {demo.cache / CACHE_SUBDIR}" in second
     assert "made 18 units" not in second
+    started = demo.python_commands()
+    assert len([c for c in started if " -m peerd start " in c]) == 3, started
+    assert _shards(started) == [], "neither the demo nor the model peer started `peerd shard`"
     assert demo.units() == made, "the second run wrote no unit file"
     assert "peer2> " in second and "24 tokens" in second
     assert demo.leftovers() == []
