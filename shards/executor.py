@@ -10,6 +10,11 @@ Values that stay inside the stage (the hidden state between units, the K/V state
 steps) are kept as ONNX Runtime `OrtValue`s and bound with IOBinding, so they are never
 copied into numpy.
 
+A unit's session holds its weights and nothing of any sequence, so executors built with one
+`SessionShelf` run one session per unit between them: during a rebalance the new plan's
+stage takes the sessions of the units it keeps from the old plan's stage and loads only the
+units it gains (`held_bytes` counts a shared session once).
+
 Each step can report how long each unit took (`step(..., unit_s=)`), and `warm_up` times a
 one-token step on placeholder inputs right after loading: the measured prices the planner
 puts on this peer's units (docs/planner.md).
@@ -22,6 +27,8 @@ import statistics
 import threading
 import time
 import uuid
+import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,7 +67,11 @@ class StageExecutor:
         first: int,
         last: int,
         options: ExecutorOptions | None = None,
+        shelf: SessionShelf | None = None,
     ) -> None:
+        """Units [first, last] of `manifest`, their model files in `unit_dir` (a file
+        named by an absolute path is found there). With `shelf`, a unit whose session
+        another executor of the shelf holds is not loaded again."""
         if not 0 <= first <= last < len(manifest.units):
             raise ValueError(
                 f"unit range [{first}, {last}] is not within 0..{len(manifest.units) - 1}"
@@ -72,8 +83,10 @@ class StageExecutor:
         self.outputs = manifest.stage_outputs(first, last)
         self._dtypes = {i.name: i.dtype for u in self.units for i in u.inputs}
         options = options or ExecutorOptions()
+        shelf = shelf or SessionShelf()
         self._sessions = [
-            _session(Path(unit_dir) / u.model_file.name, options) for u in self.units
+            shelf.session(manifest, u, Path(unit_dir) / u.model_file.name, options)
+            for u in self.units
         ]
         self._state: dict[str, dict[str, ort.OrtValue]] = {}
         self._lock = threading.Lock()
@@ -174,6 +187,10 @@ class StageExecutor:
         with self._lock:
             return sum(_nbytes(v) for seq in self._state.values() for v in seq.values())
 
+    def session(self, unit_index: int) -> ort.InferenceSession:
+        """The ONNX Runtime session that runs one of its units."""
+        return self._sessions[self._unit(unit_index).index - self.first]
+
     # -- moving state ----------------------------------------------------------------------
     def export_state(self, seq_id: str, unit_index: int) -> dict[str, np.ndarray]:
         """Copies of the K/V one unit holds for `seq_id`, keyed by state input name."""
@@ -227,6 +244,44 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+class SessionShelf:
+    """The unit sessions of the executors built with it, one per unit, shared among them.
+
+    A session is shared for the same manifest (a model at one quantisation), unit, model
+    file and options. The shelf holds sessions weakly: a session lives as long as some
+    executor runs it, and a unit no executor runs any more is freed with its last one.
+    """
+
+    def __init__(self) -> None:
+        self._held: weakref.WeakValueDictionary[tuple, ort.InferenceSession] = (
+            weakref.WeakValueDictionary()
+        )
+        self._lock = threading.Lock()
+
+    def session(self, manifest: Manifest, unit: Unit, path: Path,
+                options: ExecutorOptions) -> ort.InferenceSession:
+        """The session an executor holds for `unit`, else a new one of the file at `path`."""
+        key = (manifest.key, unit.index, unit.model_file.sha256, options)
+        with self._lock:
+            session = self._held.get(key)
+            if session is None:
+                session = _session(path, options)
+                self._held[key] = session
+            return session
+
+
+def held_bytes(executors: Iterable[StageExecutor]) -> int:
+    """Bytes the weights and K/V of `executors` occupy: a unit session that several of them
+    run is counted once (the manifest's count of its weights)."""
+    weights: dict[int, int] = {}
+    kv: dict[int, int] = {}
+    for executor in executors:
+        for unit, session in zip(executor.units, executor._sessions, strict=True):
+            weights[id(session)] = unit.weight_bytes
+        kv[id(executor)] = executor.kv_bytes()
+    return sum(weights.values()) + sum(kv.values())
 
 
 def _bind_input(binding: ort.IOBinding, name: str, value: Value) -> None:

@@ -16,7 +16,7 @@ from peerd.inference.serving import ChatService, Head, plane_of
 from peerd.wire import protocol
 from peerd.wire.identity import ClusterSecret, KeyPair
 from peerd.wire.transport import Endpoint, Transport
-from shards.executor import StageExecutor
+from shards.executor import SessionShelf, StageExecutor
 
 SECRET = ClusterSecret(b"d" * 32)
 HOST = "127.0.0.1"
@@ -34,6 +34,7 @@ class Peer:
         self.fp16_wire = fp16_wire
         self.planes: dict[str, DataPlane] = {}
         self.executor: StageExecutor | None = None
+        self.shelf = SessionShelf()  # its executors share their units' sessions, as a daemon's
         self.answers = Answers(limits)
         self.chat = ChatService(self.transport)
         self.names: dict[str, str] = {}
@@ -75,7 +76,7 @@ async def running_ring(manifest, unit_dir, limits: Limits, max_positions: int = 
                 peer.transport.connect(other.id, other.endpoint())
                 peer.names[other.keys.public] = other.id
     for peer, (_, first, last) in zip(peers, STAGES, strict=True):
-        peer.executor = StageExecutor(manifest, unit_dir, first, last)
+        peer.executor = StageExecutor(manifest, unit_dir, first, last, shelf=peer.shelf)
         peer.add_plane("1.1", manifest)
         peer.chat.head_peer = "a"
     peers[0].answers.use(peers[0].plane)

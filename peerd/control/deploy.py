@@ -10,6 +10,11 @@ for exactly its units, times each unit on a warm-up step (peerd/cluster/unit_clo
 reports ``ready``; a peer without a stage unloads and reports
 ``ready`` with no units. Progress goes to the leader as DeployReports and to the log.
 
+A peer whose range changes serves on its old stage until the new plan is live
+(peerd/inference/serving.py). Its executors share one SessionShelf, so the new stage runs the
+old stage's sessions of the units both hold and loads only the units it gains; the units it
+loses are freed when the old plane retires, taking the old executor with it.
+
 A newer plan (by leader epoch, then plan id) cancels work on an older one; bytes already
 received stay in the store, so the next plan resumes them. A plan equal to the one loaded
 (same manifest and unit range) keeps the executor as it is.
@@ -31,7 +36,7 @@ from peerd.control.unit_store import UnitStore
 from peerd.control.unit_transfer import CHUNK_BYTES, Ask, fetch_file
 from peerd.wire.protocol import DeployReport, PlanAssignment, PlanStage
 from peerd.wire.states import DeployState
-from shards.executor import StageExecutor
+from shards.executor import SessionShelf, StageExecutor
 from shards.manifest import Manifest, ManifestError, Unit, UnitFile
 
 log = logging.getLogger("peerd.control.deploy")
@@ -83,6 +88,7 @@ class Deployment:
         self._local_files = local_files
         self._chunk_bytes = chunk_bytes
         self.unit_clock = unit_clock or UnitClock()
+        self.sessions = SessionShelf()  # the unit sessions of this peer's stages, old and new
         self.assignment: PlanAssignment | None = None
         self.manifest: Manifest | None = None  # the current plan's
         self.loaded: LoadedStage | None = None
@@ -165,9 +171,10 @@ class Deployment:
         units = manifest.units[stage.first : stage.last + 1]
         paths = await self._unit_paths(model_peer, units)
         self._set(DeployState.LOADING, detail=f"loading units {_range(stage)}")
-        self.loaded = None  # free the old stage's memory before loading the new one
+        self.loaded = None  # its plane holds the old stage until the new one is live
         executor = await asyncio.to_thread(
-            StageExecutor, _at_paths(manifest, paths), self.store.root, stage.first, stage.last
+            StageExecutor, _at_paths(manifest, paths), self.store.root, stage.first, stage.last,
+            shelf=self.sessions,
         )
         await self._warm_up(manifest, executor)
         self.loaded = LoadedStage(manifest, stage.first, stage.last, executor)

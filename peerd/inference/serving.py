@@ -56,7 +56,7 @@ from peerd.wire.protocol import (
 )
 from peerd.wire.transport import Incoming, Transport, TransportError
 from shards.errors import ModelError, NoTokenizer
-from shards.executor import StageExecutor
+from shards.executor import StageExecutor, held_bytes
 from shards.manifest import Manifest
 from shards.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from shards.tokenizer import TextStream, Tokenizer
@@ -619,11 +619,12 @@ class Serving:
 
     def memory_bytes(self, loaded: StageExecutor | None) -> int:
         """Bytes the weights and K/V of every stage this peer holds occupy: its planes' (an
-        old plane's too, until it retires) and `loaded`, the newest, even before its plane."""
+        old plane's too, until it retires) and `loaded`, the newest, even before its plane;
+        a unit the old and the new stage share runs in one session, counted once."""
         executors = self._executors()
         if loaded is not None:
             executors[id(loaded)] = loaded
-        return sum(e.weight_bytes + e.kv_bytes() for e in executors.values())
+        return held_bytes(executors.values())
 
     def _executors(self) -> dict[int, StageExecutor]:
         """The stage executors of this peer's planes, once each (planes may share one)."""

@@ -315,3 +315,23 @@ async def test_while_no_peer_serves_a_model_there_is_no_plan_to_show(toy_cluster
     await _until(lambda: deployment.progress.detail == "model needs 9 GB", "the problem")
     assert deployment.plan_document()["problem"] == "model needs 9 GB"
     assert deployment.plan_document()["stages"] == []
+
+
+async def test_a_peer_whose_range_grows_loads_only_the_unit_it_gains(toy_cluster):
+    toy, manifest, model, deployment, reports, tmp_path = toy_cluster
+    deployment.assign(_plan(manifest, 1, (PlanStage("model", 0, 1), PlanStage("second", 2, 2))))
+    await _until(lambda: deployment.units == (2,), "units 2")
+    old = deployment.executor  # what the old plan's plane holds until the new plan is live
+    assert old is not None
+    model.requests.clear()
+
+    deployment.assign(_plan(manifest, 2, (PlanStage("model", 0, 0), PlanStage("second", 1, 2))))
+    await _until(lambda: deployment.units == (1, 2), "units 1-2")
+
+    new = deployment.executor
+    assert new is not None and new is not old
+    assert new.session(2) is old.session(2), "unit 2 was not loaded again"
+    assert {sha for sha, _ in model.requests} == {f.sha256 for f in manifest.units[1].files}
+    ids = [3, 1, 4]
+    logits = logits_after_unit0(manifest, tmp_path / "model", new, ids)
+    np.testing.assert_allclose(logits, toy.logits(ids), rtol=1e-5, atol=1e-5)

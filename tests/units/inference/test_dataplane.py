@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import weakref
 
 import numpy as np
 import pytest
@@ -164,7 +165,9 @@ async def test_answers_move_with_their_k_v_to_a_plan_that_splits_the_units_anew(
     running = [await _after_tokens(head, _request(p, max_tokens=24), 3) for p in PROMPTS[:4]]
     running.append(await _after_tokens(head, sampled, 3))
     new_split = [("a", 0, 1), ("c", 2, 2)]  # b leaves: its unit's K/V moves to a
-    a.add_plane("1.2", manifest, new_split, StageExecutor(manifest, directory, 0, 1))
+    grown = StageExecutor(manifest, directory, 0, 1, shelf=a.shelf)
+    assert grown.session(0) is a.executor.session(0), "a keeps unit 0's session"
+    a.add_plane("1.2", manifest, new_split, grown)
     c.add_plane("1.2", manifest, new_split)
     head.use(a.planes["1.2"])
     await asyncio.gather(a.planes["1.1"].retire(a.planes["1.2"], 10),
@@ -179,6 +182,9 @@ async def test_answers_move_with_their_k_v_to_a_plan_that_splits_the_units_anew(
     last = c.planes["1.2"].worker.counters
     assert last.received_bytes["hidden1"] == last.steps * HIDDEN * 4, "a step re-prefilled"
     assert b.executor.sequence_count == 0
+    retired = [weakref.ref(peer.planes.pop("1.1").worker.executor) for peer in (a, b)]
+    a.executor, b.executor = grown, None
+    assert [stage() for stage in retired] == [None, None], "nothing holds the old stages"
 
 
 async def test_an_answer_whose_k_v_cannot_all_move_re_prefills_and_leaves_nothing_behind(

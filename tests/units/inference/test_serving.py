@@ -2,14 +2,21 @@
 
 import asyncio
 import dataclasses
+import weakref
 
 import pytest
 from ring import reference, running_ring
 from waiting import eventually
 
+from peerd.control.deploy import LoadedStage
+from peerd.control.plan_live import PlanLive, StageLoaded
 from peerd.errors import PeerdError
 from peerd.inference.dataplane import Limits
-from peerd.inference.serving import parse_chat
+from peerd.inference.serving import Serving, parse_chat
+from peerd.wire.identity import ClusterSecret, KeyPair
+from peerd.wire.protocol import PlanAssignment, PlanFigures, PlanStage
+from peerd.wire.transport import Transport
+from shards.executor import SessionShelf, StageExecutor
 from shards.tokenizer import TextStream, Tokenizer
 
 PROMPT = [1, 2, 3]
@@ -170,3 +177,41 @@ def test_text_is_streamed_in_whole_characters_and_an_answer_cut_inside_one_ends_
     stream = TextStream(tokenizer)
     pieces = [stream.add(token) for token in cut]
     assert "".join(pieces) == stream.text == "a"
+
+
+async def test_a_rebalanced_stage_shares_the_units_it_keeps_and_frees_the_old_stage(toy):
+    """Peer "a" goes from units 1-2 to unit 2 alone: while both planes serve, unit 2 runs in
+    one session counted once; once the old plane retires, its executor and unit 1 are gone."""
+    _, manifest, directory = toy
+    shelf = SessionShelf()
+    transport = Transport(KeyPair.generate(), ClusterSecret(b"s" * 32), lambda _: None,
+                          "127.0.0.1")
+    transport.start()
+    serving = Serving("a", transport, None)
+    weights = [u.weight_bytes for u in manifest.units]
+    try:
+        old_plan = _plan(manifest, 1, (PlanStage("m", 0, 0), PlanStage("a", 1, 2)))
+        old = StageExecutor(manifest, directory, 1, 2, shelf=shelf)
+        serving.on_plan(StageLoaded(old_plan, LoadedStage(manifest, 1, 2, old)))
+        new_plan = _plan(manifest, 2, (PlanStage("m", 0, 1), PlanStage("a", 2, 2)))
+        new = StageExecutor(manifest, directory, 2, 2, shelf=shelf)
+        serving.on_plan(StageLoaded(new_plan, LoadedStage(manifest, 2, 2, new)))
+        assert new.session(2) is old.session(2)
+        assert serving.memory_bytes(new) == weights[1] + weights[2]
+        gone, lost = weakref.ref(old), weakref.ref(old.session(1))
+        del old
+
+        serving.on_plan(PlanLive(new_plan, LoadedStage(manifest, 2, 2, new),
+                                 frozenset({"m", "a"})))
+        await eventually(lambda: list(serving.planes) == [new_plan.key], "the old plane retired")
+
+        assert gone() is None and lost() is None, "the old stage and the unit it lost are freed"
+        assert serving.memory_bytes(new) == weights[2]
+    finally:
+        await serving.close()
+        await transport.close()
+
+
+def _plan(manifest, plan_id: int, stages: tuple[PlanStage, ...]) -> PlanAssignment:
+    return PlanAssignment(1, plan_id, stages, "toy", "m", manifest.to_dict(), "throughput",
+                          "milp", PlanFigures(0.1, 10.0, 0.1), None)
