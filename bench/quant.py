@@ -11,7 +11,17 @@ with std 0.02, by bench.llama_checkpoint) is sharded three times with the real C
    the three quantisations taking turns, one answer each per round, so load from other
    processes hits all alike; the best and the median over the rounds, and the ratio to
    float32 (target for int4: >= 3);
-3. against float32, teacher-forced on float32's own greedy sequence of `--agreement-tokens`
+3. resident memory of one process per quantisation holding all its units in a StageExecutor
+   (bench.executor_worker, the executor's default options) while the K/V of a
+   `--tokens` answer is held, against those units' weight bytes + that K/V: the ratio, and
+   whether it stays within the target of + 200 MB;
+4. the same over three daemons on loopback (peerd/commands/local_cluster.py, `peerd start
+   --quant Q --no-rebalance`, memory budgets under which only all three together hold the
+   units, so the plan has three stages), one cluster per quantisation, all up at once: decode
+   tokens/s of chat answers through the local API (`--cluster-rounds` rounds, the clusters
+   taking turns), and each daemon's peak RSS while they answer (psutil, every 100 ms)
+   against its plan's units' weight bytes + the K/V of one whole answer on them;
+5. against float32, teacher-forced on float32's own greedy sequence of `--agreement-tokens`
    tokens: how often the quantised model's top-1 token is float32's, and the mean KL
    divergence KL(float32 || quantised) of the next-token distributions, in nats.
 
@@ -27,25 +37,35 @@ two nearly flat distributions is small in absolute terms and not comparable with
 published perplexity costs of quantising real models.
 
 `--model` measures a given checkpoint directory or GGUF file instead (its units are made from
-it as `peerd shard` makes them). The model and its units are kept under `--dir`, so a rerun
-with the same directory skips writing and sharding them.
+it as `peerd shard` makes them, into a shard cache the daemons share). The model and its
+units are kept under `--dir`, so a rerun with the same directory skips writing and sharding
+them and the daemons' copies of them (sharding alone is about 7 minutes of a first run on
+the 2-core machine; a rerun took about 4 minutes).
 
     .venv/bin/python -m bench.quant [--dir DIR] [--model DIR|FILE.gguf] [--tokens 64]
-        [--repeats 5]
+        [--repeats 5] [--cluster-rounds 3] [--agreement-tokens 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import psutil
 
+from bench.executor_worker import Worker
 from bench.llama_checkpoint import add_shape_arguments, reusable_llama, shape_from
-from bench.shards import onnx_runner, round_robin, shard_units
+from bench.shards import onnx_runner, round_robin, shard_cache, shard_units
+from peerd.commands.chat import stream_answer
 from peerd.commands.generate import build_pipeline, generate
+from peerd.commands.local_cluster import LocalCluster, budget_for
 from shards.cache import ShardResult
 from shards.executor import StageExecutor
 from shards.manifest import Quant
@@ -53,6 +73,10 @@ from shards.sampling import SamplingParams
 
 PROMPT = [1, 17, 42, 99, 7, 250, 31, 64]
 BYTES_TARGET, SPEED_TARGET = 0.16, 3.0  # int4 against float32
+OVERHEAD_TARGET = 200e6  # bytes of RSS beyond units + K/V
+PEERS = 3
+SAMPLE_S = 0.1
+MB = 1e6
 
 
 def main() -> None:
@@ -66,9 +90,13 @@ def main() -> None:
 
 def _bench(root: Path, args: argparse.Namespace) -> None:
     model = Path(args.model) if args.model else _random_model(root, args)
-    results = {quant: shard_units(model, root, quant) for quant in Quant}
+    results = {quant: shard_units(model, root, quant, cached=True) for quant in Quant}
+    print("the machine is shared with other work: speeds are noisy, ratios are of turns taken "
+          "in the same run")
     _bytes(results)
     _speed(results, args.tokens, args.repeats)
+    _one_process_memory(results, args.tokens)
+    _clusters(root, model, results, args.tokens, args.cluster_rounds)
     _agreement(results, args.agreement_tokens)
 
 
@@ -111,6 +139,123 @@ def _speed(results: dict[Quant, ShardResult], tokens: int, repeats: int) -> None
     ratio = best[Quant.INT4]["decode_tps_median"] / base["decode_tps_median"]
     verdict = "meets" if ratio >= SPEED_TARGET else "MISSES"
     print(f"  int4 / float32 median (target >= {SPEED_TARGET}): {ratio:.2f}, {verdict}")
+
+
+def _one_process_memory(results: dict[Quant, ShardResult], tokens: int) -> None:
+    print(f"\nresident memory of one process holding all units, the K/V of a {tokens}-token "
+          f"answer held (target: <= units + K/V + {OVERHEAD_TARGET / MB:.0f} MB)")
+    for quant, result in results.items():
+        with Worker(result.directory) as worker:
+            worker.answer(len(PROMPT), 2)  # first runs fault in and pre-pack
+            held = worker.answer(len(PROMPT), tokens)
+        _memory_line(f"{quant.value:<8}", held["rss"], worker.loaded["weight_bytes"],
+                     held["kv_bytes"])
+
+
+def _memory_line(label: str, rss: int, weights: int, kv: int) -> None:
+    over = rss - weights - kv
+    verdict = "meets" if over <= OVERHEAD_TARGET else "MISSES"
+    print(f"  {label} RSS {rss / MB:7.1f} MB   units {weights / MB:7.1f} + K/V {kv / MB:5.1f} MB"
+          f"   ratio x{rss / (weights + kv):.2f}   over {over / MB:+6.1f} MB: {verdict}")
+
+
+def _clusters(root: Path, model: Path, results: dict[Quant, ShardResult], tokens: int,
+              rounds: int) -> None:
+    with contextlib.ExitStack() as stack:
+        clusters = {quant: stack.enter_context(_cluster(root, model, quant, result))
+                    for quant, result in results.items()}
+        daemons = {quant: _daemons(cluster) for quant, cluster in clusters.items()}
+        for cluster in clusters.values():  # first answers fault in and pre-pack
+            stream_answer(cluster.dirs[0], {"prompt_ids": PROMPT, "max_tokens": 2})
+        with _peak_rss([p for peers in daemons.values() for p in peers.values()]) as peaks:
+            speeds: dict[Quant, list[float]] = {quant: [] for quant in clusters}
+            for _ in range(rounds):
+                for quant, cluster in clusters.items():
+                    done = stream_answer(cluster.dirs[0], {"prompt_ids": PROMPT,
+                                                           "max_tokens": tokens})
+                    speeds[quant].append(done["stats"]["tokens_per_second"])
+        _print_cluster_speed(speeds, tokens)
+        context = len(PROMPT) + tokens
+        print(f"\npeak RSS of each daemon while answering, against its units + the K/V of a "
+              f"{context}-token context (target: <= + {OVERHEAD_TARGET / MB:.0f} MB)")
+        for quant, cluster in clusters.items():
+            units = _units_by_peer(cluster)
+            for peer, process in daemons[quant].items():
+                held = [results[quant].manifest.units[u] for u in units.get(peer, [])]
+                _memory_line(f"{quant.value:<5} {peer[:6]} units {_span(held)}",
+                             peaks[process.pid], sum(u.weight_bytes for u in held),
+                             context * sum(u.kv_bytes_per_token for u in held))
+
+
+@contextlib.contextmanager
+def _cluster(root: Path, model: Path, quant: Quant, result: ShardResult) -> Iterator[LocalCluster]:
+    """Three daemons serving `quant` units, with budgets that need all three to hold them."""
+    budget = ("--memory-budget", budget_for(result.manifest, PEERS))
+    cluster = LocalCluster(root / f"cluster-{quant.value}", model, peers=PEERS,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True),
+                           extra=("--quant", quant.value, "--no-rebalance"),
+                           peer_args=[budget] * PEERS, shard_cache=shard_cache(root))
+    with cluster:
+        stages = _status(cluster, 0)["plan"]["stages"]
+        print(f"cluster ({quant.value}): {len(stages)} stages, units "
+              + ", ".join(f"{s['units'][0]}-{s['units'][-1]}" for s in stages))
+        yield cluster
+
+
+def _status(cluster: LocalCluster, i: int) -> dict:
+    status = cluster.status(i)
+    if status is None:
+        raise SystemExit(f"peer {i} of the cluster does not answer")
+    return status
+
+
+def _daemons(cluster: LocalCluster) -> dict[str, psutil.Process]:
+    """Each daemon's process, by its peer id."""
+    children = psutil.Process().children()
+    found = {}
+    for i, state_dir in enumerate(cluster.dirs):
+        process = next(p for p in children if str(state_dir) in p.cmdline())
+        found[_status(cluster, i)["self"]] = process
+    return found
+
+
+def _units_by_peer(cluster: LocalCluster) -> dict[str, list[int]]:
+    stages = _status(cluster, 0)["plan"]["stages"]
+    return {stage["peer"]: stage["units"] for stage in stages}
+
+
+def _span(units: list) -> str:
+    return f"{units[0].index}-{units[-1].index}" if units else "none"
+
+
+@contextlib.contextmanager
+def _peak_rss(processes: list[psutil.Process]) -> Iterator[dict[int, int]]:
+    """The highest RSS of each process, by pid, sampled every SAMPLE_S while inside."""
+    peaks = {p.pid: p.memory_info().rss for p in processes}
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(SAMPLE_S):
+            for process in processes:
+                peaks[process.pid] = max(peaks[process.pid], process.memory_info().rss)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield peaks
+    finally:
+        stop.set()
+        sampler.join()
+
+
+def _print_cluster_speed(speeds: dict[Quant, list[float]], tokens: int) -> None:
+    base = statistics.median(speeds[Quant.NONE])
+    print(f"\ndecode over {PEERS} daemons, {tokens} tokens, {len(speeds[Quant.NONE])} rounds "
+          "taking turns")
+    for quant, runs in speeds.items():
+        median = statistics.median(runs)
+        print(f"  {quant.value:<8} {max(runs):7.1f} tokens/s best, {median:7.1f} median "
+              f"(x{median / base:.2f})")
 
 
 def _agreement(results: dict[Quant, ShardResult], count: int) -> None:
@@ -156,6 +301,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: a random Llama of the shape below)")
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens per answer")
     parser.add_argument("--repeats", type=int, default=5, help="rounds (best and median)")
+    parser.add_argument("--cluster-rounds", type=int, default=3,
+                        help="answers per three-daemon cluster (best and median)")
     parser.add_argument("--agreement-tokens", type=int, default=256)
     add_shape_arguments(parser)
     return parser

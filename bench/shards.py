@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from peerd.commands.generate import build_pipeline, generate
 from shards.arch import empty_cache
 from shards.cache import ShardResult
 from shards.checkpoint import load_model
+from shards.cli import SHARDS_SUBDIR
 from shards.manifest import Manifest, Quant
 from shards.sampling import SamplingParams
 
@@ -101,18 +103,30 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def shard_units(model_dir: Path, work: Path, quant: Quant) -> ShardResult:
+def shard_units(model_dir: Path, work: Path, quant: Quant, cached: bool = False) -> ShardResult:
     """Shard with the real CLI, in a subprocess (which also reports its peak RSS), into
-    `work/units-QUANT`; a complete earlier result there is reused."""
-    out = work / f"units-{quant.value}"
-    command = [sys.executable, "-m", "peerd", "shard", str(model_dir), "--out", str(out), "--json",
+    `work/units-QUANT`, or with `cached` into the shard cache `shard_cache(work)` (where a
+    LocalCluster given that cache finds them); a complete earlier result there is reused."""
+    command = [sys.executable, "-m", "peerd", "shard", str(model_dir), "--json",
                "--quant", quant.value]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
-    stats = json.loads(done.stdout)["stats"]
+    env = None
+    if cached:
+        env = {**os.environ, "PEERD_STATE_DIR": str(shard_cache(work).parent)}
+    else:
+        command += ["--out", str(work / f"units-{quant.value}")]
+    done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
+    result = json.loads(done.stdout)
+    stats, out = result["stats"], Path(result["directory"])
     manifest = Manifest.load(out)
-    print(f"sharded ({quant.value}): {len(manifest.units)} units in "
+    done_as = "sharded" if stats["exported"] else "found sharded"
+    print(f"{done_as} ({quant.value}): {len(manifest.units)} units in "
           f"{stats['seconds']:.1f}s, peak RSS {stats['peak_rss_bytes'] / 2**20:.0f} MB")
-    return ShardResult(manifest, out, True, stats["seconds"])
+    return ShardResult(manifest, out, stats["exported"], stats["seconds"])
+
+
+def shard_cache(work: Path) -> Path:
+    """The shard cache `shard_units(..., cached=True)` fills: a state directory's `shards`."""
+    return work / "shard-state" / SHARDS_SUBDIR
 
 
 def _torch_eager(
