@@ -20,6 +20,7 @@ import numpy as np
 
 from peerd.inference.routing import Route, StageRoutes
 from peerd.wire.protocol import StageData
+from shards import heap
 from shards.executor import StageExecutor
 from shards.sampling import Ranked, Sampler, SamplingParams, token_logprobs
 
@@ -106,6 +107,8 @@ class StageWorker:
         outputs = self.executor.step(seq_id, {n: inputs[n] for n in self.executor.inputs},
                                      unit_s)
         seconds = time.perf_counter() - started
+        if step == 0:
+            heap.trim()  # a prefill's activations: freed, but resident until handed back
         available = {**inputs, **outputs}
         outgoing = [self._message(seq_id, step, route, available) for route in self.routes.sends]
         logits = outputs[self.routes.returns[0]] if self.routes.returns else None
