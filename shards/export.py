@@ -3,11 +3,13 @@
 The model is built on the "meta" device and segmented (shards.segment); then, unit by unit,
 only that unit's weights are read from the model's source, the unit runs on example inputs
 (shards.examples) to learn its dynamic axes and costs, is exported with torch.onnx (the
-torch.export-based exporter; a unit of the same structure as one exported before, a later
-layer, gets that graph with its own weights instead, shards.template), optionally quantised
-(int8 or int4, shards.quantize), written as a model file and a data file (shards.onnx_file),
-and its weights are dropped again; the written unit is then loaded in ONNX Runtime and run
-on the example inputs (float32 units must match torch). The whole model is never in memory.
+torch.export-based exporter), optionally quantised (int8 or int4, shards.quantize), written
+as a model file and a data file (shards.onnx_file), and its weights are dropped again; the
+written unit is then loaded in ONNX Runtime and run on the export example (float32 units
+must match torch). A unit of the same structure as one exported before (a later layer) gets
+that graph with its own weights instead (shards.template) and runs in torch on the export
+example only: its costs and the shapes of the other examples are the exported unit's. The
+whole model is never in memory.
 `shards.cache.shard` decides whether there is anything to export.
 """
 

@@ -5,12 +5,13 @@ a unit of any size (Qwen2.5-7B's embedding alone is 2.18 GB). Every unit is ther
 as a small `.onnx` file whose weights are external data in one file beside it. The exporter
 first saves the unit with its weights in a scratch directory (`save_external`, streamed
 tensor by tensor; the int8 quantiser adds a second data file there); `write_unit` then copies
-every external weight into one data file beside the final model, in chunks and hashed on the
-way, each at a page-aligned offset, and names it `<sha256>.data`. The model refers to its
-data by that name, and a content-addressed store keeps the file under the same name, so
-ONNX Runtime finds the data beside the model wherever the pair is kept, and the model file's
-own sha256 covers the reference. Small constants the exporter keeps inside the graph stay
-there.
+every external weight into one data file beside the final model (a `DataFile`: in chunks and
+hashed on the way, each at a page-aligned offset) and names it `<sha256>.data`. A unit built
+from an earlier unit's graph (shards.template) writes its weights into a `DataFile`
+directly. The model refers to its data by that name, and a content-addressed store keeps the
+file under the same name, so ONNX Runtime finds the data beside the model wherever the pair
+is kept, and the model file's own sha256 covers the reference. Small constants the exporter
+keeps inside the graph stay there.
 
 ONNX Runtime memory-maps external weights: a weight it reads as is (a Gather table) costs
 only the pages touched; one it pre-packs (a MatMul) costs the packed copy, and never a second

@@ -4,10 +4,12 @@ Exporting a unit with torch.onnx costs seconds (tracing, decompositions, optimis
 the layers of a model are one graph with other weights. The first unit of each structure is
 exported; its graph is remembered with, for each initializer, the unit parameter it holds
 (as is, or transposed: the exporter folds `x @ W.T` into a constant) or its value when it is
-a constant of the graph. A later unit of the same structure gets that graph with its own
-parameters in place and its own input and output names. The exporter runs the result in
-ONNX Runtime against torch on the example inputs and exports for real when they differ, so a
-layer that only looks like the others (another constant, another branch) is never wrong.
+a constant of the graph. A later unit of the same structure (`signature`: the same fx graph,
+parameter shapes and example shapes, known before the unit runs) gets that graph with its
+own parameters in place and its own input and output names, written straight into its unit
+files (shards.onnx_file). The exporter runs the result in ONNX Runtime against torch on the
+export example and exports for real when they differ, so a layer that only looks like the
+others (another constant, another branch) is never wrong.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import onnx
 import torch
 import torch.fx as fx
 from onnx import helper, numpy_helper
+from torch.fx.node import map_arg
 
 from shards.onnx_file import DataFile, WrittenUnit
 from shards.segment import UnitGraph
@@ -63,7 +66,7 @@ class Template:
             if name in self.external:
                 tensor.name, tensor.data_type = name, helper.np_dtype_to_tensor_dtype(value.dtype)
                 tensor.dims.extend(value.shape)
-                data.add(tensor, [memoryview(value).cast("B")])
+                data.add(tensor, [value.data.cast("B")])
             else:
                 tensor.CopyFrom(numpy_helper.from_array(value, name))
         names = dict(zip(self.inputs + self.outputs,
@@ -100,7 +103,7 @@ def _structure(graph: fx.Graph) -> tuple[str, ...]:
         target = "" if node.op == "placeholder" else str(node.target)
         if node.op in ("call_module", "get_attr"):
             target = _INDEX.sub("#", target)
-        args = fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{position[n]}")
+        args = map_arg((node.args, node.kwargs), lambda n: f"%{position[n]}")
         ops.append(f"{node.op} {target} {args!r}")
     return tuple(ops)
 
