@@ -112,8 +112,7 @@ class _Exporter:
 
     def run(self, key: str, source_sha256: str) -> Manifest:
         (self.directory / UNITS_DIR).mkdir(parents=True)
-        with _collecting_young():
-            units = self._units()
+        units = self._units()
         manifest = Manifest(
             key=key,
             model=_model_info(self.config, source_sha256),
@@ -172,7 +171,7 @@ class _Exporter:
         if _problem(scratch / relative, result, args, outputs, exact=True, quiet=True):
             return None
         del module
-        _release(self.model, targets)
+        _release(self.model, targets, exported=False)
         self._record(unit, runs)
         if self.options.quant is Quant.NONE:
             for file in written.files:
@@ -193,7 +192,7 @@ class _Exporter:
             others = {case: out for case, (_, out) in runs.items() if case != examples.EXPORT}
             self.known.setdefault(key, _Known(learn(staged, unit, module), others, flops))
         del module
-        _release(self.model, targets)
+        _release(self.model, targets, exported=True)
         self._record(unit, runs)
         return self._finished(unit, staged, relative, runs, flops)
 
@@ -276,8 +275,9 @@ def _weight_targets(model: torch.nn.Module, targets: tuple[str, ...]) -> list[st
     return [t for t in targets if any(p == t or p.startswith(t + ".") for p in params)]
 
 
-def _release(model: torch.nn.Module, targets: list[str]) -> None:
-    """Put the unit's parameters back on the meta device, freeing their memory."""
+def _release(model: torch.nn.Module, targets: list[str], exported: bool) -> None:
+    """Put the unit's parameters back on the meta device, freeing their memory; after an
+    export, also what the exporter left in reference cycles."""
     for target in targets:
         owner_name, _, leaf = target.rpartition(".")
         owner = model.get_submodule(owner_name)
@@ -286,32 +286,14 @@ def _release(model: torch.nn.Module, targets: list[str]) -> None:
             value.to("meta")
         else:
             setattr(owner, leaf, torch.nn.Parameter(value.to("meta"), requires_grad=False))
-    # torch.export's fake-tensor dispatch cache is global and keyed by each export's own
-    # symbolic shapes: entries of finished units are never hit again, only kept.
-    FakeTensorMode.cache_clear()
-    _collect()
+    if exported:
+        # torch.export's fake-tensor dispatch cache is global and keyed by each export's
+        # own symbolic shapes: entries of finished units are never hit again, only kept.
+        # A full collection walks every object Python tracks (half a second): a unit built
+        # from an earlier graph leaves no cycle holding more than a norm's weights.
+        FakeTensorMode.cache_clear()
+        gc.collect()
     _trim_heap()
-
-
-class _collecting_young:
-    """Between units, `_collect` frees what the unit left in reference cycles (an fx
-    module and its graph refer to each other; an export leaves many). A full collection
-    walks every object Python tracks, torch's hundreds of thousands included, for about
-    half a second; what survived one collection is moved out of the collector's sight
-    (gc.freeze) so that the next walks only what the unit after it made, and is handed
-    back (gc.unfreeze) when the export ends. An object frozen while still in use is still
-    freed by its reference count; one that only a later cycle holds waits for that end."""
-
-    def __enter__(self) -> None:
-        _collect()
-
-    def __exit__(self, *exc: object) -> None:
-        gc.unfreeze()
-
-
-def _collect() -> None:
-    gc.collect()
-    gc.freeze()
 
 
 def _trim_heap() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import os
@@ -218,7 +217,6 @@ def test_units_built_from_an_earlier_graph_are_what_exporting_them_writes(hf_che
         results[reuse] = export_units(source, source.config(), tmp_path / str(reuse),
                                       ShardOptions(), lambda line: None, "key", "source",
                                       reuse_graphs=reuse)
-        assert gc.get_freeze_count() == 0, "the collector sees every object again"
     exported, reused = results[False].units, results[True].units
     for every, built in zip(exported, reused, strict=True):
         assert replace(built, files=built.files[1:]) == replace(every, files=every.files[1:])
