@@ -110,26 +110,35 @@ def _structure(graph: fx.Graph) -> tuple[str, ...]:
 
 def learn(staged: Path, unit: UnitGraph, module: torch.nn.Module) -> Template:
     """The template of the unit just exported to `staged` from `module`."""
-    external = frozenset(
-        t.name for t in onnx.load(str(staged), load_external_data=False).graph.initializer
-        if t.data_location == onnx.TensorProto.EXTERNAL
-    )
-    model = onnx.load(str(staged))
+    model = onnx.load(str(staged), load_external_data=False)
+    external = frozenset(t.name for t in model.graph.initializer
+                         if t.data_location == onnx.TensorProto.EXTERNAL)
     params = _parameters(module)
     by_name = {name: i for i, (name, _) in enumerate(module.named_parameters())}
     sources: dict[str, Source] = {}
     constants: dict[str, np.ndarray] = {}
     for tensor in model.graph.initializer:
-        value = numpy_helper.to_array(tensor)
+        value = _array(tensor, staged.parent)
         source = _source(value, params, by_name.get(tensor.name))
         if source is None:
-            constants[tensor.name] = value
+            constants[tensor.name] = np.array(value)  # a copy: `staged` is scratch
         else:
             sources[tensor.name] = source
     initializers = tuple(t.name for t in model.graph.initializer)
     del model.graph.initializer[:]
     return Template(unit.name, model, initializers, external, sources, constants,
                     tuple(unit.input_names), tuple(unit.output_names))
+
+
+def _array(tensor: onnx.TensorProto, directory: Path) -> np.ndarray:
+    """The initializer's value; mapped from its data file when external (loading the model
+    with its data would hold the unit's weights twice more, beside torch's copy)."""
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return numpy_helper.to_array(tensor)
+    entries = {e.key: e.value for e in tensor.external_data}
+    return np.memmap(directory / entries["location"], mode="r",
+                     dtype=helper.tensor_dtype_to_np_dtype(tensor.data_type),
+                     offset=int(entries.get("offset", 0)), shape=tuple(tensor.dims))
 
 
 def _parameters(module: torch.nn.Module) -> list[np.ndarray]:
