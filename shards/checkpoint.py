@@ -68,11 +68,14 @@ _OPTIONAL_PREFIXES = ("model.", "transformer.")
 
 def param_sources(config: ModelConfig) -> dict[str, str]:
     """Our parameter name -> Hugging Face tensor name, for every parameter of the model."""
-    model = build_model(config, "meta")
+    return _sources(build_model(config, "meta"))
+
+
+def _sources(model: CausalLM) -> dict[str, str]:
     sources = {}
     for name, _ in model.named_parameters(remove_duplicate=False):
         module, leaf = name.rsplit(".", 1)
-        sources[name] = f"{_hf_module(config, module)}.{leaf}"
+        sources[name] = f"{_hf_module(model.config, module)}.{leaf}"
     return sources
 
 
@@ -156,7 +159,7 @@ def materialize(
     """Load real weights from `source` for the parameters under `module_prefixes` (e.g.
     "layers.3.attn"; "" means all), replacing whatever they hold (typically meta tensors)."""
     prefixes = list(module_prefixes)
-    sources = param_sources(model.config)
+    sources = _sources(model)
     wanted = {ours: hf for ours, hf in sources.items() if _under(ours, prefixes)}
     for prefix in prefixes:
         if not any(_under(ours, [prefix]) for ours in wanted):

@@ -3,11 +3,13 @@
 The model is built on the "meta" device and segmented (shards.segment); then, unit by unit,
 only that unit's weights are read from the model's source, the unit runs on example inputs
 (shards.examples) to learn its dynamic axes and costs, is exported with torch.onnx (the
-torch.export-based exporter; a unit of the same structure as one exported before, a later
-layer, gets that graph with its own weights instead, shards.template), optionally quantised
-(int8 or int4, shards.quantize), written as a model file and a data file (shards.onnx_file),
-and its weights are dropped again; the written unit is then loaded in ONNX Runtime and run
-on the example inputs (float32 units must match torch). The whole model is never in memory.
+torch.export-based exporter), optionally quantised (int8 or int4, shards.quantize), written
+as a model file and a data file (shards.onnx_file), and its weights are dropped again; the
+written unit is then loaded in ONNX Runtime and run on the export example (float32 units
+must match torch). A unit of the same structure as one exported before (a later layer) gets
+that graph with its own weights instead (shards.template) and runs in torch on the export
+example only: its costs and the shapes of the other examples are the exported unit's. The
+whole model is never in memory.
 `shards.cache.shard` decides whether there is anything to export.
 """
 
@@ -18,9 +20,11 @@ import ctypes.util
 import functools
 import gc
 import logging
+import os
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -56,6 +60,7 @@ from shards.segment import Segmentation, UnitGraph, segment
 from shards.source import ModelSource
 from shards.template import Template, learn, signature
 
+MB = 1e6
 RETURN_BYTES = 8  # the sampled token id (int64) sent back to the first stage
 UNITS_DIR = "units"
 _CHECK_TOLERANCE = 1e-4
@@ -77,6 +82,17 @@ def export_units(
     return exporter.run(key, source_sha256)
 
 
+@dataclass(frozen=True)
+class _Known:
+    """An exported unit's graph, for the units of its structure, and what running it on
+    the examples other than EXPORT gave: those only decide shapes and FLOPs, which a unit
+    of the same structure shares."""
+
+    template: Template
+    outputs: dict[str, tuple[torch.Tensor, ...]]
+    flops: dict[str, int]
+
+
 class _Exporter:
     def __init__(
         self,
@@ -92,19 +108,11 @@ class _Exporter:
         self.model = build_model(config, "meta")
         self.segmentation: Segmentation = segment(self.model, options.granularity)
         self.store = examples.ExampleStore(config, self.segmentation.consumers)
-        self.templates: dict[tuple, Template] = {}
+        self.known: dict[tuple, _Known] = {}
 
     def run(self, key: str, source_sha256: str) -> Manifest:
         (self.directory / UNITS_DIR).mkdir(parents=True)
-        units = []
-        count = len(self.segmentation.units)
-        for unit in self.segmentation.units:
-            started = time.perf_counter()
-            result, template = self._unit(unit)
-            units.append(result)
-            seconds = time.perf_counter() - started
-            how = f"built from {template}'s graph" if template else "exported"
-            self.progress(f"[{unit.index + 1}/{count}] {unit.name} {how} in {seconds:.1f}s")
+        units = self._units()
         manifest = Manifest(
             key=key,
             model=_model_info(self.config, source_sha256),
@@ -115,50 +123,94 @@ class _Exporter:
         manifest.save(self.directory)
         return manifest
 
+    def _units(self) -> list[Unit]:
+        units: list[Unit] = []
+        count = len(self.segmentation.units)
+        started = time.perf_counter()
+        for unit in self.segmentation.units:
+            begun = time.perf_counter()
+            result, template = self._unit(unit)
+            units.append(result)
+            how = f"built from {template}'s graph" if template else "exported"
+            pace = sum(u.weight_bytes for u in units) / MB / (time.perf_counter() - started)
+            self.progress(f"[{unit.index + 1}/{count}] {unit.name} {how} in "
+                          f"{time.perf_counter() - begun:.1f}s ({pace:.0f} MB/s so far)")
+        return units
+
     def _unit(self, unit: UnitGraph) -> tuple[Unit, str | None]:
         """The unit written and checked, and the unit whose graph it reused (None when it
         was exported)."""
+        inputs = {case: self.store.inputs(unit, case) for case in self.store.cases}
+        key = signature(unit, unit.module(self.model), inputs)
+        known = self.known.get(key)
         targets = _weight_targets(self.model, unit.targets)
         if targets:
             materialize(self.model, self.source, targets)
-        module = unit.module(self.model)
-        runs, flops = {}, {}
-        for case in self.store.cases:
-            args = self.store.inputs(unit, case)
-            outputs, flops[case] = run_counting_flops(module, args)
-            runs[case] = (args, outputs)
-        for case, (_, outputs) in runs.items():
-            self.store.record(unit, case, outputs)
         relative = f"{UNITS_DIR}/{unit.index:03d}-{unit.name}.onnx"
         with tempfile.TemporaryDirectory(dir=self.directory) as scratch:
-            staged, template = self._graph(unit, module, runs, Path(scratch))
-            del module
-            _release(self.model, targets)
-            if self.options.quant is not Quant.NONE:
-                staged = quantize_unit(staged, self.options.quant)
-            written = write_unit(staged, self.directory, relative)
+            if known is not None:
+                result = self._reused(unit, known, targets, inputs, relative, Path(scratch))
+                if result is not None:
+                    return result, known.template.name
+            return self._exported(unit, key, targets, inputs, relative, Path(scratch)), None
+
+    def _reused(self, unit: UnitGraph, known: _Known, targets: list[str], inputs: dict,
+                relative: str, scratch: Path) -> Unit | None:
+        """The unit built from `known`'s graph with its own weights, when the result loads
+        and computes what torch computes on the EXPORT example; else None, nothing written
+        and the weights still loaded."""
+        module = unit.module(self.model)
+        args = inputs[examples.EXPORT]
+        with torch.no_grad():
+            outputs = module(*args)
+        (scratch / relative).parent.mkdir()
+        written = known.template.apply(unit, module, scratch, relative)
+        runs = {case: (inputs[case], known.outputs[case]) for case in known.outputs}
+        runs[examples.EXPORT] = (args, outputs)
+        result = self._manifest_unit(unit, written, runs, known.flops)
+        if _problem(scratch / relative, result, args, outputs, exact=True, quiet=True):
+            return None
+        del module
+        _release(self.model, targets, exported=False)
+        self._record(unit, runs)
+        if self.options.quant is Quant.NONE:
+            for file in written.files:
+                os.replace(scratch / file.name, self.directory / file.name)
+            return result
+        return self._finished(unit, scratch / relative, relative, runs, known.flops)
+
+    def _exported(self, unit: UnitGraph, key: tuple, targets: list[str], inputs: dict,
+                  relative: str, scratch: Path) -> Unit:
+        """The unit exported with torch.onnx (and remembered for the units to come)."""
+        module = unit.module(self.model)
+        runs, flops = {}, {}
+        for case, args in inputs.items():
+            outputs, flops[case] = run_counting_flops(module, args)
+            runs[case] = (args, outputs)
+        staged = _to_onnx(module, unit, runs, scratch)
+        if self.reuse_graphs:
+            others = {case: out for case, (_, out) in runs.items() if case != examples.EXPORT}
+            self.known.setdefault(key, _Known(learn(staged, unit, module), others, flops))
+        del module
+        _release(self.model, targets, exported=True)
+        self._record(unit, runs)
+        return self._finished(unit, staged, relative, runs, flops)
+
+    def _finished(self, unit: UnitGraph, staged: Path, relative: str, runs: dict,
+                  flops: dict) -> Unit:
+        """The float32 unit at `staged` quantised as asked, written into the directory and
+        checked."""
+        if self.options.quant is not Quant.NONE:
+            staged = quantize_unit(staged, self.options.quant)
+        written = write_unit(staged, self.directory, relative)
         result = self._manifest_unit(unit, written, runs, flops)
         _check(self.directory / relative, result, *runs[examples.EXPORT],
                exact=self.options.quant is Quant.NONE)
-        return result, template
+        return result
 
-    def _graph(self, unit: UnitGraph, module: torch.nn.Module, runs: dict,
-               scratch: Path) -> tuple[Path, str | None]:
-        """The unit's float32 model saved in `scratch`: the graph of an earlier unit of the
-        same structure when, with this unit's weights, it computes what torch computes;
-        else exported now (and remembered for the units to come)."""
-        key = signature(unit, module, runs)
-        template = self.templates.get(key)
-        if template is not None:
-            reused = scratch / "reused"
-            reused.mkdir()
-            staged = template.apply(unit, module, reused)
-            if _agrees(staged, unit, *runs[examples.EXPORT]):
-                return staged, template.name
-        staged = _to_onnx(module, unit, runs, scratch)
-        if self.reuse_graphs:
-            self.templates.setdefault(key, learn(staged, unit, module))
-        return staged, None
+    def _record(self, unit: UnitGraph, runs: dict) -> None:
+        for case, (_, outputs) in runs.items():
+            self.store.record(unit, case, outputs)
 
     def _manifest_unit(self, unit: UnitGraph, written: WrittenUnit, runs: dict,
                        flops: dict) -> Unit:
@@ -223,8 +275,9 @@ def _weight_targets(model: torch.nn.Module, targets: tuple[str, ...]) -> list[st
     return [t for t in targets if any(p == t or p.startswith(t + ".") for p in params)]
 
 
-def _release(model: torch.nn.Module, targets: list[str]) -> None:
-    """Put the unit's parameters back on the meta device, freeing their memory."""
+def _release(model: torch.nn.Module, targets: list[str], exported: bool) -> None:
+    """Put the unit's parameters back on the meta device, freeing their memory; after an
+    export, also what the exporter left in reference cycles."""
     for target in targets:
         owner_name, _, leaf = target.rpartition(".")
         owner = model.get_submodule(owner_name)
@@ -233,10 +286,13 @@ def _release(model: torch.nn.Module, targets: list[str]) -> None:
             value.to("meta")
         else:
             setattr(owner, leaf, torch.nn.Parameter(value.to("meta"), requires_grad=False))
-    # torch.export's fake-tensor dispatch cache is global and keyed by each export's own
-    # symbolic shapes: entries of finished units are never hit again, only kept.
-    FakeTensorMode.cache_clear()
-    gc.collect()
+    if exported:
+        # torch.export's fake-tensor dispatch cache is global and keyed by each export's
+        # own symbolic shapes: entries of finished units are never hit again, only kept.
+        # A full collection walks every object Python tracks (half a second): a unit built
+        # from an earlier graph leaves no cycle holding more than a norm's weights.
+        FakeTensorMode.cache_clear()
+        gc.collect()
     _trim_heap()
 
 
@@ -314,24 +370,36 @@ class _quiet:
 def _check(path: Path, unit: Unit, args: tuple, expected: tuple, exact: bool) -> None:
     """The written unit must load in ONNX Runtime with the manifest's inputs and outputs and
     run on the example; with `exact`, compute what the torch unit computed."""
-    session = _session(path, unit)
-    problem = _disagreement(session, unit.graph_inputs, unit.graph_outputs, args, expected,
-                            exact)
+    problem = _problem(path, unit, args, expected, exact)
     if problem is not None:
         raise ShardError(f"unit {unit.name}: {problem}")
 
 
-def _agrees(staged: Path, unit: UnitGraph, args: tuple, expected: tuple) -> bool:
-    """Does the model at `staged` load and compute what the torch unit computed?"""
+def _problem(path: Path, unit: Unit, args: tuple, expected: tuple, exact: bool,
+             quiet: bool = False) -> str | None:
+    """What is wrong with the unit written at `path`, if anything (see _check); `quiet`
+    keeps ONNX Runtime's own error log to itself."""
     options = _check_options()
-    options.log_severity_level = 4  # a graph that does not fit fails quietly: it is exported
+    if quiet:
+        options.log_severity_level = 4
     try:
-        session = ort.InferenceSession(str(staged), options, providers=["CPUExecutionProvider"])
-        problem = _disagreement(session, unit.input_names, unit.output_names, args, expected,
-                                exact=True)
-    except Exception:  # ONNX Runtime raises its own exception types: any means no
-        return False
-    return problem is None
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # ONNX Runtime raises its own exception types
+        return f"written file {path.name} does not load in ONNX Runtime: {_one_line(exc)}"
+    inputs = tuple(i.name for i in session.get_inputs())
+    outputs = tuple(o.name for o in session.get_outputs())
+    if (inputs, outputs) != (unit.graph_inputs, unit.graph_outputs):
+        return (f"written file {path.name} has inputs {list(inputs)} and outputs "
+                f"{list(outputs)}, the manifest says {list(unit.graph_inputs)} and "
+                f"{list(unit.graph_outputs)}")
+    try:
+        return _disagreement(session, inputs, outputs, args, expected, exact)
+    except Exception as exc:  # ONNX Runtime raises its own exception types
+        return f"written file {path.name} does not run in ONNX Runtime: {_one_line(exc)}"
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
 
 
 def _disagreement(session: ort.InferenceSession, inputs, outputs, args: tuple,
@@ -351,24 +419,6 @@ def _disagreement(session: ort.InferenceSession, inputs, outputs, args: tuple,
         if error > _CHECK_TOLERANCE * scale:
             return f"ONNX output {name} differs from torch by {error}"
     return None
-
-
-def _session(path: Path, unit: Unit) -> ort.InferenceSession:
-    """A session of the unit file as written, or a one-line ShardError."""
-    try:
-        session = ort.InferenceSession(str(path), _check_options(),
-                                       providers=["CPUExecutionProvider"])
-    except Exception as exc:  # ONNX Runtime raises its own exception types
-        reason = " ".join(str(exc).split())
-        raise ShardError(f"unit {unit.name}: written file {path.name} does not load in ONNX "
-                         f"Runtime: {reason}") from None
-    inputs = tuple(i.name for i in session.get_inputs())
-    outputs = tuple(o.name for o in session.get_outputs())
-    if (inputs, outputs) != (unit.graph_inputs, unit.graph_outputs):
-        raise ShardError(f"unit {unit.name}: written file {path.name} has inputs {list(inputs)} "
-                         f"and outputs {list(outputs)}, the manifest says "
-                         f"{list(unit.graph_inputs)} and {list(unit.graph_outputs)}")
-    return session
 
 
 def _check_options() -> ort.SessionOptions:

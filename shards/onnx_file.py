@@ -5,12 +5,13 @@ a unit of any size (Qwen2.5-7B's embedding alone is 2.18 GB). Every unit is ther
 as a small `.onnx` file whose weights are external data in one file beside it. The exporter
 first saves the unit with its weights in a scratch directory (`save_external`, streamed
 tensor by tensor; the int8 quantiser adds a second data file there); `write_unit` then copies
-every external weight into one data file beside the final model, in chunks and hashed on the
-way, each at a page-aligned offset, and names it `<sha256>.data`. The model refers to its
-data by that name, and a content-addressed store keeps the file under the same name, so
-ONNX Runtime finds the data beside the model wherever the pair is kept, and the model file's
-own sha256 covers the reference. Small constants the exporter keeps inside the graph stay
-there.
+every external weight into one data file beside the final model (a `DataFile`: in chunks and
+hashed on the way, each at a page-aligned offset) and names it `<sha256>.data`. A unit built
+from an earlier unit's graph (shards.template) writes its weights into a `DataFile`
+directly. The model refers to its data by that name, and a content-addressed store keeps the
+file under the same name, so ONNX Runtime finds the data beside the model wherever the pair
+is kept, and the model file's own sha256 covers the reference. Small constants the exporter
+keeps inside the graph stay there.
 
 ONNX Runtime memory-maps external weights: a weight it reads as is (a Gather table) costs
 only the pages touched; one it pre-packs (a MatMul) costs the packed copy, and never a second
@@ -21,9 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING
 
 import onnx
 
@@ -54,48 +56,71 @@ def write_unit(staged: Path, directory: Path, relative: str) -> WrittenUnit:
     `directory/relative` and one data file beside it; return the files, named relative to
     `directory`."""
     model = onnx.load(str(staged), load_external_data=False)
-    initializers = model.graph.initializer
-    external = [t for t in initializers if t.data_location == onnx.TensorProto.EXTERNAL]
-    weight_bytes = sum(_tensor_bytes(t) for t in initializers)
-    path = Path(directory) / relative
-    data = ()
-    if external:
-        sha256, size = _write_data(external, Path(staged).parent, path.parent)
-        name = str(PurePosixPath(relative).parent / f"{sha256}{DATA_SUFFIX}")
-        data = (UnitFile(name, sha256, size),)
-    path.write_bytes(model.SerializeToString())
-    return WrittenUnit((UnitFile(relative, _sha256(path), path.stat().st_size), *data),
-                       weight_bytes)
-
-
-def _write_data(tensors: list[onnx.TensorProto], source: Path, target: Path) -> tuple[str, int]:
-    """Copy the tensors' external bytes into one file in `target`, named by its sha256, and
-    point the tensors at it; return the sha256 and size."""
-    partial = target / ".data.partial"
-    digest = hashlib.sha256()
-    placed = []
-    with partial.open("wb") as out:
-        for tensor in tensors:
-            _put(out, digest, bytes(-out.tell() % _ALIGN))
-            offset = out.tell()
+    data = DataFile(Path(directory), relative)
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
             entries = _entries(tensor)
-            length = int(entries["length"])
-            _copy(source / entries["location"], int(entries.get("offset", 0)), length, out,
-                  digest)
-            placed.append((tensor, offset, length))
-        size = out.tell()
-    sha256 = digest.hexdigest()
-    os.replace(partial, target / f"{sha256}{DATA_SUFFIX}")
-    for tensor, offset, length in placed:
-        del tensor.external_data[:]
-        for key, value in (("location", f"{sha256}{DATA_SUFFIX}"), ("offset", offset),
-                           ("length", length)):
-            entry = tensor.external_data.add()
-            entry.key, entry.value = key, str(value)
-    return sha256, size
+            data.add(tensor, _chunks(Path(staged).parent / entries["location"],
+                                     int(entries.get("offset", 0)), int(entries["length"])))
+    return data.finish(model)
 
 
-def _copy(location: Path, offset: int, length: int, out: BinaryIO, digest) -> None:
+class DataFile:
+    """The data file of the unit whose model file will be `directory/relative`, being
+    written: each external weight at a page-aligned offset, hashed on the way, the file
+    named by its sha256 when `finish` writes the model beside it."""
+
+    def __init__(self, directory: Path, relative: str) -> None:
+        self.path = directory / relative
+        self._folder = PurePosixPath(relative).parent  # file names are relative to directory
+        self._partial = self.path.parent / f".{self.path.name}.data.partial"
+        self._out = self._partial.open("wb")
+        self._digest = hashlib.sha256()
+        self._placed: list[tuple[onnx.TensorProto, int, int]] = []
+
+    def add(self, tensor: onnx.TensorProto, chunks: Iterable[bytes | memoryview]) -> None:
+        """Append the tensor's bytes, given in `chunks`; it will point at them."""
+        self._put(bytes(-self._out.tell() % _ALIGN))
+        offset = self._out.tell()
+        for chunk in chunks:
+            self._put(chunk)
+        self._placed.append((tensor, offset, self._out.tell() - offset))
+
+    def finish(self, model: onnx.ModelProto) -> WrittenUnit:
+        """Name the data file by its sha256 and write `model` (whose initializers include
+        every tensor added) at `path`, referring to it."""
+        size = self._out.tell()
+        self._out.close()
+        files: tuple[UnitFile, ...] = ()
+        if self._placed:
+            sha256 = self._digest.hexdigest()
+            name = f"{sha256}{DATA_SUFFIX}"
+            os.replace(self._partial, self.path.parent / name)
+            self._point(name)
+            files = (UnitFile(str(self._folder / name), sha256, size),)
+        else:
+            self._partial.unlink()
+        self.path.write_bytes(model.SerializeToString())
+        model_file = UnitFile(str(self._folder / self.path.name), _sha256(self.path),
+                              self.path.stat().st_size)
+        weight_bytes = sum(_tensor_bytes(t) for t in model.graph.initializer)
+        return WrittenUnit((model_file, *files), weight_bytes)
+
+    def _put(self, data: bytes | memoryview) -> None:
+        self._out.write(data)
+        self._digest.update(data)
+
+    def _point(self, name: str) -> None:
+        for tensor, offset, length in self._placed:
+            del tensor.external_data[:]
+            for key, value in (("location", name), ("offset", offset), ("length", length)):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, str(value)
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+
+
+def _chunks(location: Path, offset: int, length: int) -> Iterator[bytes]:
+    """`length` bytes of the file at `location` from `offset`, in chunks."""
     with location.open("rb") as data:
         data.seek(offset)
         remaining = length
@@ -103,13 +128,8 @@ def _copy(location: Path, offset: int, length: int, out: BinaryIO, digest) -> No
             chunk = data.read(min(_CHUNK, remaining))
             if not chunk:
                 raise OSError(f"external data {location} ends early")
-            _put(out, digest, chunk)
+            yield chunk
             remaining -= len(chunk)
-
-
-def _put(out: BinaryIO, digest, data: bytes) -> None:
-    out.write(data)
-    digest.update(data)
 
 
 def _entries(tensor: onnx.TensorProto) -> dict[str, str]:

@@ -4,10 +4,12 @@ Exporting a unit with torch.onnx costs seconds (tracing, decompositions, optimis
 the layers of a model are one graph with other weights. The first unit of each structure is
 exported; its graph is remembered with, for each initializer, the unit parameter it holds
 (as is, or transposed: the exporter folds `x @ W.T` into a constant) or its value when it is
-a constant of the graph. A later unit of the same structure gets that graph with its own
-parameters in place and its own input and output names. The exporter runs the result in
-ONNX Runtime against torch on the example inputs and exports for real when they differ, so a
-layer that only looks like the others (another constant, another branch) is never wrong.
+a constant of the graph. A later unit of the same structure (`signature`: the same fx graph,
+parameter shapes and example shapes, known before the unit runs) gets that graph with its
+own parameters in place and its own input and output names, written straight into its unit
+files (shards.onnx_file). The exporter runs the result in ONNX Runtime against torch on the
+export example and exports for real when they differ, so a layer that only looks like the
+others (another constant, another branch) is never wrong.
 """
 
 from __future__ import annotations
@@ -15,17 +17,19 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 import onnx
 import torch
-from onnx import numpy_helper
+import torch.fx as fx
+from onnx import helper, numpy_helper
+from torch.fx.node import map_arg
 
+from shards.onnx_file import DataFile, WrittenUnit
 from shards.segment import UnitGraph
 
 _INDEX = re.compile(r"\d+")
-STAGED_DATA = "model.onnx.data"
+_TRANSPOSE_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -48,68 +52,93 @@ class Template:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
 
-    def apply(self, unit: UnitGraph, module: torch.nn.Module, directory: Path) -> Path:
-        """Save the graph with `module`'s parameters and `unit`'s names into `directory`."""
+    def apply(self, unit: UnitGraph, module: torch.nn.Module, directory: Path,
+              relative: str) -> WrittenUnit:
+        """Write the graph with `module`'s parameters and `unit`'s names as
+        `directory/relative` and its data file (shards.onnx_file's layout)."""
         params = _parameters(module)
         model = onnx.ModelProto()
         model.CopyFrom(self.skeleton)
-        with (directory / STAGED_DATA).open("wb") as data:
-            for name in self.initializers:
-                value = np.ascontiguousarray(self._value(name, params))
-                if name in self.external:
-                    model.graph.initializer.append(_external(name, value, data))
-                else:
-                    model.graph.initializer.append(numpy_helper.from_array(value, name))
+        data = DataFile(directory, relative)
+        for name in self.initializers:
+            value = np.ascontiguousarray(self._value(name, params))
+            tensor = model.graph.initializer.add()  # the model's own, for `data` to point
+            if name in self.external:
+                tensor.name, tensor.data_type = name, helper.np_dtype_to_tensor_dtype(value.dtype)
+                tensor.dims.extend(value.shape)
+                data.add(tensor, [value.data.cast("B")])
+            else:
+                tensor.CopyFrom(numpy_helper.from_array(value, name))
         names = dict(zip(self.inputs + self.outputs,
                          (*unit.input_names, *unit.output_names), strict=True))
         _rename(model.graph, names)
-        staged = directory / "model.onnx"
-        staged.write_bytes(model.SerializeToString())
-        return staged
+        return data.finish(model)
 
     def _value(self, name: str, params: list[np.ndarray]) -> np.ndarray:
         source = self.sources.get(name)
         if source is None:
             return self.constants[name]
-        value = params[source.index].T if source.transposed else params[source.index]
-        return value.astype(source.dtype, copy=False)
+        value = params[source.index].astype(source.dtype, copy=False)
+        return _transposed(value) if source.transposed else value
 
 
-def signature(unit: UnitGraph, module: torch.nn.Module, runs: dict) -> tuple:
-    """What two units share when one's graph can serve the other: the unit's name and its
-    parameters' names with layer numbers left out, their shapes, and every example's
-    input and output shapes."""
+def signature(unit: UnitGraph, module: torch.nn.Module,
+              inputs: dict[str, tuple[torch.Tensor, ...]]) -> tuple:
+    """What two units share when one's graph can serve the other, known before either
+    runs: the unit's name, its fx graph and its parameters' names with layer numbers left
+    out, the parameters' shapes, and every example's input shapes."""
     params = tuple((_INDEX.sub("#", name), tuple(p.shape), p.dtype)
                    for name, p in module.named_parameters())
-    examples = tuple(
-        (case, tuple((tuple(a.shape), a.dtype) for a in (*args, *outputs)))
-        for case, (args, outputs) in sorted(runs.items())
-    )
-    return _INDEX.sub("#", unit.name), params, examples
+    shapes = tuple((case, tuple((tuple(a.shape), a.dtype) for a in args))
+                   for case, args in sorted(inputs.items()))
+    return _INDEX.sub("#", unit.name), _structure(unit.graph), params, shapes
+
+
+def _structure(graph: fx.Graph) -> tuple[str, ...]:
+    """Each operation of the graph with the values it reads numbered by position and the
+    modules and tensors it reads named without layer numbers."""
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    ops = []
+    for node in graph.nodes:
+        target = "" if node.op == "placeholder" else str(node.target)
+        if node.op in ("call_module", "get_attr"):
+            target = _INDEX.sub("#", target)
+        args = map_arg((node.args, node.kwargs), lambda n: f"%{position[n]}")
+        ops.append(f"{node.op} {target} {args!r}")
+    return tuple(ops)
 
 
 def learn(staged: Path, unit: UnitGraph, module: torch.nn.Module) -> Template:
     """The template of the unit just exported to `staged` from `module`."""
-    external = frozenset(
-        t.name for t in onnx.load(str(staged), load_external_data=False).graph.initializer
-        if t.data_location == onnx.TensorProto.EXTERNAL
-    )
-    model = onnx.load(str(staged))
+    model = onnx.load(str(staged), load_external_data=False)
+    external = frozenset(t.name for t in model.graph.initializer
+                         if t.data_location == onnx.TensorProto.EXTERNAL)
     params = _parameters(module)
     by_name = {name: i for i, (name, _) in enumerate(module.named_parameters())}
     sources: dict[str, Source] = {}
     constants: dict[str, np.ndarray] = {}
     for tensor in model.graph.initializer:
-        value = numpy_helper.to_array(tensor)
+        value = _array(tensor, staged.parent)
         source = _source(value, params, by_name.get(tensor.name))
         if source is None:
-            constants[tensor.name] = value
+            constants[tensor.name] = np.array(value)  # a copy: `staged` is scratch
         else:
             sources[tensor.name] = source
     initializers = tuple(t.name for t in model.graph.initializer)
     del model.graph.initializer[:]
     return Template(unit.name, model, initializers, external, sources, constants,
                     tuple(unit.input_names), tuple(unit.output_names))
+
+
+def _array(tensor: onnx.TensorProto, directory: Path) -> np.ndarray:
+    """The initializer's value; mapped from its data file when external (loading the model
+    with its data would hold the unit's weights twice more, beside torch's copy)."""
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return numpy_helper.to_array(tensor)
+    entries = {e.key: e.value for e in tensor.external_data}
+    return np.memmap(directory / entries["location"], mode="r",
+                     dtype=helper.tensor_dtype_to_np_dtype(tensor.data_type),
+                     offset=int(entries.get("offset", 0)), shape=tuple(tensor.dims))
 
 
 def _parameters(module: torch.nn.Module) -> list[np.ndarray]:
@@ -128,17 +157,14 @@ def _source(value: np.ndarray, params: list[np.ndarray], named: int | None) -> S
     return None
 
 
-def _external(name: str, value: np.ndarray, data: BinaryIO) -> onnx.TensorProto:
-    """`value` as a tensor whose bytes are appended to `data` (the staged data file)."""
-    tensor = onnx.TensorProto(name=name, dims=value.shape,
-                              data_type=onnx.helper.np_dtype_to_tensor_dtype(value.dtype))
-    offset = data.tell()
-    data.write(value.tobytes())
-    tensor.data_location = onnx.TensorProto.EXTERNAL
-    for key, entry in (("location", STAGED_DATA), ("offset", offset), ("length", value.nbytes)):
-        field = tensor.external_data.add()
-        field.key, field.value = key, str(entry)
-    return tensor
+def _transposed(matrix: np.ndarray) -> np.ndarray:
+    """`matrix.T`, contiguous. Copied a few whole rows at a time: numpy's own copy walks
+    the matrix a column at a time, and a row of a power-of-two width (a layer's weights)
+    maps every element of that column to the same few cache sets, about 6x slower."""
+    out = np.empty(matrix.shape[::-1], matrix.dtype)
+    for start in range(0, len(matrix), _TRANSPOSE_ROWS):
+        out[:, start : start + _TRANSPOSE_ROWS] = matrix[start : start + _TRANSPOSE_ROWS].T
+    return out
 
 
 def _rename(graph: onnx.GraphProto, names: dict[str, str]) -> None:

@@ -6,13 +6,13 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from onnx import numpy_helper
 from sharding import reference, sharded
 
 from peerd.commands.generate import build_pipeline, generate
@@ -21,10 +21,12 @@ from shards import cache
 from shards.cache import ShardError, ShardOptions, shard
 from shards.checkpoint import load_model
 from shards.executor import StageExecutor
+from shards.export import export_units
 from shards.manifest import MANIFEST_NAME, Quant
 from shards.sampling import SamplingParams
 from shards.segment import segment
-from shards.template import STAGED_DATA, Template
+from shards.source import open_model
+from shards.template import Template
 
 
 @pytest.fixture(scope="module")
@@ -203,20 +205,40 @@ def test_later_layers_reuse_the_first_layer_s_graph_with_their_own_weights(hf_ch
 
 
 @pytest.mark.slow
+def test_units_built_from_an_earlier_graph_are_what_exporting_them_writes(hf_checkpoint,
+                                                                          tmp_path):
+    """The same weights, costs and message sizes (a reused unit runs in torch on the export
+    example alone and takes the rest from the unit whose graph it got), and a model file
+    that computes the same; its bytes differ only in the exporter's debug names."""
+    model_dir = hf_checkpoint("llama", layers=3)
+    source = open_model(model_dir)
+    results = {}
+    for reuse in (False, True):
+        results[reuse] = export_units(source, source.config(), tmp_path / str(reuse),
+                                      ShardOptions(), lambda line: None, "key", "source",
+                                      reuse_graphs=reuse)
+    exported, reused = results[False].units, results[True].units
+    for every, built in zip(exported, reused, strict=True):
+        assert replace(built, files=built.files[1:]) == replace(every, files=every.files[1:])
+    runs = [generate(build_pipeline(results[reuse], tmp_path / str(reuse), 2),
+                     results[reuse], [3, 1, 4], 12, SamplingParams(), stop_at_eos=False)
+            for reuse in (False, True)]
+    assert runs[0].token_ids == runs[1].token_ids
+
+
+@pytest.mark.slow
 def test_a_reused_graph_that_computes_otherwise_is_exported_instead(hf_checkpoint, tmp_path,
                                                                      monkeypatch):
     """A layer that only looks like the first (here: a reused weight off by one) is caught
     by running it against torch, and exported for real."""
     real_apply = Template.apply
 
-    def off_by_one(self, unit, module, directory):
-        staged = real_apply(self, unit, module, directory)
-        model = onnx.load(str(staged))
-        weight = next(t for t in model.graph.initializer if t.name in self.sources)
-        weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) + 1, weight.name))
-        onnx.save_model(model, str(staged), save_as_external_data=True,
-                        all_tensors_to_one_file=True, location=STAGED_DATA)
-        return staged
+    def off_by_one(self, unit, module, directory, relative):
+        written = real_apply(self, unit, module, directory, relative)
+        weights = np.memmap(directory / written.files[1].name, dtype=np.float32, mode="r+")
+        weights += 1
+        weights.flush()
+        return written
 
     monkeypatch.setattr(Template, "apply", off_by_one)
     model_dir = hf_checkpoint("llama", layers=2)
