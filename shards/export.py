@@ -15,8 +15,6 @@ whole model is never in memory.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 import gc
 import logging
@@ -37,7 +35,7 @@ from torch.onnx._internal.exporter import _constants as _onnx_constants
 from torch.onnx._internal.exporter import _core as _onnx_core
 from torch.onnx._internal.exporter import _registration as _onnx_registration
 
-from shards import examples
+from shards import examples, heap
 from shards.arch import build_model
 from shards.cache import Progress, ShardError, ShardOptions
 from shards.checkpoint import materialize
@@ -293,15 +291,7 @@ def _release(model: torch.nn.Module, targets: list[str], exported: bool) -> None
         # from an earlier graph leaves no cycle holding more than a norm's weights.
         FakeTensorMode.cache_clear()
         gc.collect()
-    _trim_heap()
-
-
-def _trim_heap() -> None:
-    """Hand freed heap pages back to the system (glibc keeps them otherwise), so that the
-    next unit's peak does not stack on the last unit's leftovers."""
-    libc = ctypes.util.find_library("c")
-    if libc and hasattr(ctypes.CDLL(libc), "malloc_trim"):
-        ctypes.CDLL(libc).malloc_trim(0)
+    heap.trim()  # the next unit's peak must not stack on this one's leftovers
 
 
 # -- ONNX -------------------------------------------------------------------------------------
