@@ -7,6 +7,12 @@ its manifest, the directory of its unit files).
 checkpoint (see tests/checkpoints.py). Building one takes about half a second, so the
 directories are built once per test session and shared, keyed by family and overrides:
 treat them as read-only (copy one with shutil.copytree before changing it).
+
+The suite runs on two pytest-xdist workers (`pytest -n 2 --dist loadgroup`, as the README
+says). The tests that start daemons or browse mDNS run one after another on one worker
+(group DAEMONS): two clusters at once would see each other's peers and count them as
+strangers. The other tests share out over both workers, so the daemon tests run beside a
+busy core, as they must pass on a loaded machine anyway.
 """
 
 from __future__ import annotations
@@ -18,6 +24,14 @@ from typing import Any
 import pytest
 from checkpoints import make_checkpoint
 from toy_units import ToyModel, write_toy
+
+DAEMONS = "daemons"  # the xdist group of the tests that start daemons or browse mDNS
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("cluster") or item.get_closest_marker("mdns"):
+            item.add_marker(pytest.mark.xdist_group(DAEMONS))
 
 
 @pytest.fixture(scope="session")

@@ -113,6 +113,7 @@ class Seen:
 
 
 @pytest.mark.slow
+@pytest.mark.mdns
 async def test_mdns_finds_members_ignores_and_counts_strangers_and_notices_goodbyes():
     seen = Seen()
     me, member, stranger = make_record("me"), make_record("member"), make_record("stranger")
