@@ -28,6 +28,7 @@ from toy_units import ToyModel, write_toy
 DAEMONS = "daemons"  # the xdist group of the tests that start daemons or browse mDNS
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("cluster") or item.get_closest_marker("mdns"):
