@@ -29,12 +29,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 from bench.executor_worker import VARIANTS, Worker
 from bench.llama_checkpoint import add_shape_arguments, reusable_llama, shape_from
 from bench.shards import shard_units
+from bench.workdir import run_in
 from shards.manifest import Quant
 
 SKIPPED = {(Quant.INT4, "no-prepack")}  # see the module's docstring
@@ -47,11 +47,7 @@ MB = 1e6
 
 def main() -> None:
     args = _parser().parse_args()
-    if args.dir:
-        _bench(Path(args.dir), args)
-        return
-    with tempfile.TemporaryDirectory(prefix="peerd-bench-") as root:
-        _bench(Path(root), args)
+    run_in(args.dir, lambda root: _bench(root, args))
 
 
 def _bench(root: Path, args: argparse.Namespace) -> None:

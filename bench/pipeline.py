@@ -29,13 +29,13 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.llama_checkpoint import add_shape_arguments, reusable_llama, shape_from
+from bench.workdir import run_in
 from peerd.commands.chat import stream_answer
 from peerd.commands.generate import build_pipeline, generate
 from peerd.commands.local_cluster import LocalCluster
@@ -58,11 +58,7 @@ class Round:
 
 def main() -> None:
     args = _parser().parse_args()
-    if args.dir:
-        _bench(Path(args.dir), args)
-        return
-    with tempfile.TemporaryDirectory(prefix="peerd-bench-") as root:
-        _bench(Path(root), args)
+    run_in(args.dir, lambda root: _bench(root, args))
 
 
 def _bench(root: Path, args: argparse.Namespace) -> None:

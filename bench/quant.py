@@ -52,7 +52,6 @@ import argparse
 import contextlib
 import statistics
 import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,6 +62,7 @@ import psutil
 from bench.executor_worker import Worker
 from bench.llama_checkpoint import add_shape_arguments, reusable_llama, shape_from
 from bench.shards import onnx_runner, round_robin, shard_cache, shard_units
+from bench.workdir import run_in
 from peerd.commands.chat import stream_answer
 from peerd.commands.generate import build_pipeline, generate
 from peerd.commands.local_cluster import LocalCluster, budget_for
@@ -81,11 +81,7 @@ MB = 1e6
 
 def main() -> None:
     args = _parser().parse_args()
-    if args.dir:
-        _bench(Path(args.dir), args)
-        return
-    with tempfile.TemporaryDirectory(prefix="peerd-bench-") as root:
-        _bench(Path(root), args)
+    run_in(args.dir, lambda root: _bench(root, args))
 
 
 def _bench(root: Path, args: argparse.Namespace) -> None:
