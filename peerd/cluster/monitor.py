@@ -136,6 +136,14 @@ def parse_battery(text: str) -> Battery:
     return Battery(percent=float(percent), plugged=plugged)
 
 
+def write_battery_file(path: Path, percent: float, plugged: bool) -> None:
+    """Write a --battery-file the way a battery source should: whole, by rename, so the
+    daemon never reads half a document."""
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps({"percent": percent, "plugged": plugged}))
+    temporary.replace(path)
+
+
 class BatterySource:
     """The battery from --battery-file (re-read at every reading) or from the sensor.
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import netns
 import pytest
-from battery_file import set_battery
 from sharding import reference
 from streaming import ANSWER_S, DEPLOYED_S, Answer, head_of, serving_plan, shard_into_caches
 
+from peerd.cluster.monitor import write_battery_file
 from peerd.commands.client import events
 from peerd.commands.local_cluster import budget_for
 from peerd.errors import PeerdError
@@ -84,7 +84,7 @@ def test_a_peer_on_low_battery_sheds_its_units_mid_answer_and_takes_work_back(lo
     # stage peer is one that can go low without first handing leadership over (a leader on
     # battery gives it up, and the next leader's first plan is a new epoch, not a rebalance).
     for i, path in enumerate(batteries):
-        set_battery(path, 100, plugged=i == 0)
+        write_battery_file(path, 100, plugged=i == 0)
     budget = budget_for(manifest, 2)
     args = {i: ["--memory-budget", budget, "--battery-file", str(batteries[i])]
             for i in range(3)}
@@ -104,7 +104,7 @@ def test_a_peer_on_low_battery_sheds_its_units_mid_answer_and_takes_work_back(lo
         answers = [Answer(peers[0], prompt, longest) for prompt in prompts]
         netns.wait_for(lambda: all(len(a.tokens) >= 3 for a in answers), ANSWER_S,
                        "every answer streaming")
-        set_battery(batteries[shedder], 15, False)
+        write_battery_file(batteries[shedder], 15, False)
         fell = time.monotonic()
         netns.wait_for(lambda: _units(peers, peers[shedder].id) == [], SHED_S,
                        "the peer on low battery to hold no units")
@@ -131,6 +131,6 @@ def test_a_peer_on_low_battery_sheds_its_units_mid_answer_and_takes_work_back(lo
             expected, _ = reference(model_dir, tuple(answer.prompt), len(answer.tokens))
             assert answer.tokens == expected
 
-        set_battery(batteries[shedder], 15, True)
+        write_battery_file(batteries[shedder], 15, True)
         netns.wait_for(lambda: _units(peers, peers[shedder].id), REGAIN_S,
                        "the peer, plugged in, to get work back")

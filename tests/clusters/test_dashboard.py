@@ -19,7 +19,6 @@ from itertools import pairwise
 from pathlib import Path
 
 import pytest
-from battery_file import set_battery
 from netns import PEERD
 from rich.cells import cell_len
 from sharding import reference, seed_shard_cache
@@ -28,6 +27,7 @@ from waiting import eventually
 
 from peerd import statedir
 from peerd.api.local_api import LocalApi
+from peerd.cluster.monitor import write_battery_file
 from peerd.commands.client import call
 from peerd.commands.local_cluster import LocalCluster
 from peerd.control.coordinator import REPLAN_SETTLE_S
@@ -68,7 +68,7 @@ def two_hold(cluster, tmp_path):
     shutil.copytree(first.dirs[0] / "shards", tmp_path / "peer0" / "shards")
     batteries = [tmp_path / f"battery{i}.json" for i in range(3)]
     for i, path in enumerate(batteries):
-        set_battery(path, 100, plugged=i == 0)
+        write_battery_file(path, 100, plugged=i == 0)
     with LocalCluster(tmp_path, model_dir, peers=3, progress=lambda line: None, holders=2,
                       peer_args=[["--battery-file", str(p)] for p in batteries]) as running:
         yield running, batteries
@@ -274,7 +274,7 @@ async def test_a_rebalance_shows_in_the_log_with_its_reason(two_hold):
         app = pilot.app
         await eventually(lambda: app.status, "the first status", SHOWN_S)
         log = app.query_one(EventLog)
-        set_battery(batteries[index], 15, False)
+        write_battery_file(batteries[index], 15, False)
         await eventually(lambda: [e for e in log.of_kind("rebalance")
                                   if "on battery at 15%" in e.line],
                          "the rebalance away from the low battery in the event log", SHOWN_S)

@@ -20,7 +20,6 @@ import time
 
 import netns
 import pytest
-from battery_file import set_battery
 from streaming import (
     ANSWER_S,
     DEPLOYED_S,
@@ -32,6 +31,7 @@ from streaming import (
 )
 
 from peerd.cluster.membership import Timing
+from peerd.cluster.monitor import write_battery_file
 from peerd.commands.local_cluster import budget_for
 
 pytestmark = [pytest.mark.cluster, netns.needs_namespaces]
@@ -169,7 +169,7 @@ def _stage_peers_apart_from_the_leader(model_dir, root):
     args = {0: ["--memory-budget", "1KB"]}
     for i in (1, 2, 3):
         battery = dirs[i] / "battery.json"
-        set_battery(battery, 90.0, plugged=False)
+        write_battery_file(battery, 90.0, plugged=False)
         args[i] = ["--memory-budget", budget, "--battery-file", str(battery)]
     args[1] += ["--model", str(model_dir)]
     return dirs, args
