@@ -56,6 +56,7 @@ class ShardResult:
 
 
 Progress = Callable[[str], None]
+PARTIAL = ".partial-"  # an export in progress is staged in .<key>.partial-<pid> beside <key>
 
 
 def shard(
@@ -78,12 +79,12 @@ def shard(
             raise ValueError("either out_dir or shard_root is needed")
         out_dir = Path(shard_root) / key
     out_dir = Path(out_dir)
-    cached = reusable(out_dir, key)
-    if cached is not None:
-        return ShardResult(cached, out_dir, False, time.perf_counter() - started)
+    reused = reusable(out_dir, key)
+    if reused is not None:
+        return ShardResult(reused, out_dir, False, time.perf_counter() - started)
     from shards.export import export_units
 
-    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    staging = out_dir.parent / f".{out_dir.name}{PARTIAL}{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
         manifest = export_units(model, config, staging, options, progress, key, source)
@@ -108,6 +109,12 @@ def cached(model_dir: Path, shard_root: Path,
     if manifest is None:
         return None
     return ShardResult(manifest, directory, False, time.perf_counter() - started)
+
+
+def export_running(name: str) -> bool:
+    """Is the entry `name` of a shard cache an export whose process is still running?"""
+    _, partial, pid = name.rpartition(PARTIAL)
+    return bool(partial) and pid.isdigit() and Path(f"/proc/{pid}").exists()
 
 
 def source_digest(model_path: Path) -> str:

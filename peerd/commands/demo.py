@@ -31,10 +31,10 @@ from peerd.commands.client import call
 from peerd.commands.local_cluster import LocalCluster
 from peerd.errors import PeerdError
 from shards.builtin import write_builtin_model
+from shards.cache import export_running
 
 CACHE_SUBDIR = "demo-shards"  # under the cache directory: the built-in model's units
 ENDING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-PARTIAL = ".partial-"  # shards/cache.py names an export in progress .<key>.partial-<pid>
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -91,13 +91,8 @@ def _prune(shard_cache: Path, key: str) -> None:
     """Remove what earlier runs left beside the units in use: units of another key (made by
     another version of peerd) and exports cut short, whose process is gone."""
     for entry in shard_cache.iterdir():
-        if entry.name != key and not _export_running(entry.name):
+        if entry.name != key and not export_running(entry.name):
             shutil.rmtree(entry, ignore_errors=True)
-
-
-def _export_running(name: str) -> bool:
-    _, partial, pid = name.rpartition(PARTIAL)
-    return bool(partial) and pid.isdigit() and Path(f"/proc/{pid}").exists()
 
 
 @contextlib.contextmanager
