@@ -52,20 +52,19 @@ import argparse
 import contextlib
 import statistics
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import psutil
 
 from bench.executor_worker import Worker
 from bench.llama_checkpoint import add_shape_arguments, reusable_llama, shape_from
+from bench.memory import peak_rss
 from bench.shards import onnx_runner, round_robin, shard_cache, shard_units
 from bench.workdir import run_in
 from peerd.commands.chat import stream_answer
 from peerd.commands.generate import build_pipeline, generate
-from peerd.commands.local_cluster import LocalCluster, budget_for
+from peerd.commands.local_cluster import LocalCluster
 from shards.cache import ShardResult
 from shards.executor import StageExecutor
 from shards.manifest import Quant
@@ -75,7 +74,6 @@ PROMPT = [1, 17, 42, 99, 7, 250, 31, 64]
 BYTES_TARGET, SPEED_TARGET = 0.16, 3.0  # int4 against float32
 OVERHEAD_TARGET = 200e6  # bytes of RSS beyond units + K/V
 PEERS = 3
-SAMPLE_S = 0.1
 MB = 1e6
 
 
@@ -163,7 +161,7 @@ def _clusters(root: Path, model: Path, results: dict[Quant, ShardResult], tokens
         daemons = {quant: _daemons(cluster) for quant, cluster in clusters.items()}
         for cluster in clusters.values():  # first answers fault in and pre-pack
             stream_answer(cluster.dirs[0], {"prompt_ids": PROMPT, "max_tokens": 2})
-        with _peak_rss([p for peers in daemons.values() for p in peers.values()]) as peaks:
+        with peak_rss([pid for peers in daemons.values() for pid in peers.values()]) as rss:
             speeds: dict[Quant, list[float]] = {quant: [] for quant in clusters}
             for _ in range(rounds):
                 for quant, cluster in clusters.items():
@@ -176,21 +174,20 @@ def _clusters(root: Path, model: Path, results: dict[Quant, ShardResult], tokens
               f"{context}-token context (target: <= + {OVERHEAD_TARGET / MB:.0f} MB)")
         for quant, cluster in clusters.items():
             units = _units_by_peer(cluster)
-            for peer, process in daemons[quant].items():
+            for peer, pid in daemons[quant].items():
                 held = [results[quant].manifest.units[u] for u in units.get(peer, [])]
                 _memory_line(f"{quant.value:<5} {peer[:6]} units {_span(held)}",
-                             peaks[process.pid], sum(u.weight_bytes for u in held),
+                             rss.peak[pid], sum(u.weight_bytes for u in held),
                              context * sum(u.kv_bytes_per_token for u in held))
 
 
 @contextlib.contextmanager
 def _cluster(root: Path, model: Path, quant: Quant, result: ShardResult) -> Iterator[LocalCluster]:
     """Three daemons serving `quant` units, with budgets that need all three to hold them."""
-    budget = ("--memory-budget", budget_for(result.manifest, PEERS))
     cluster = LocalCluster(root / f"cluster-{quant.value}", model, peers=PEERS,
                            progress=lambda line: print(line, file=sys.stderr, flush=True),
-                           extra=("--quant", quant.value, "--no-rebalance"),
-                           peer_args=[budget] * PEERS, shard_cache=shard_cache(root))
+                           extra=("--no-rebalance",), shard_cache=shard_cache(root),
+                           quant=quant)
     with cluster:
         stages = _status(cluster, 0)["plan"]["stages"]
         print(f"cluster ({quant.value}): {len(stages)} stages, units "
@@ -205,14 +202,9 @@ def _status(cluster: LocalCluster, i: int) -> dict:
     return status
 
 
-def _daemons(cluster: LocalCluster) -> dict[str, psutil.Process]:
-    """Each daemon's process, by its peer id."""
-    children = psutil.Process().children()
-    found = {}
-    for i, state_dir in enumerate(cluster.dirs):
-        process = next(p for p in children if str(state_dir) in p.cmdline())
-        found[_status(cluster, i)["self"]] = process
-    return found
+def _daemons(cluster: LocalCluster) -> dict[str, int]:
+    """Each daemon's process id, by its peer id."""
+    return {_status(cluster, i)["self"]: cluster.pid(i) for i in range(cluster.count)}
 
 
 def _units_by_peer(cluster: LocalCluster) -> dict[str, list[int]]:
@@ -222,26 +214,6 @@ def _units_by_peer(cluster: LocalCluster) -> dict[str, list[int]]:
 
 def _span(units: list) -> str:
     return f"{units[0].index}-{units[-1].index}" if units else "none"
-
-
-@contextlib.contextmanager
-def _peak_rss(processes: list[psutil.Process]) -> Iterator[dict[int, int]]:
-    """The highest RSS of each process, by pid, sampled every SAMPLE_S while inside."""
-    peaks = {p.pid: p.memory_info().rss for p in processes}
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.wait(SAMPLE_S):
-            for process in processes:
-                peaks[process.pid] = max(peaks[process.pid], process.memory_info().rss)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        yield peaks
-    finally:
-        stop.set()
-        sampler.join()
 
 
 def _print_cluster_speed(speeds: dict[Quant, list[float]], tokens: int) -> None:

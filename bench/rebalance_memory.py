@@ -23,21 +23,18 @@ stage both hold it).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
-
 from bench.llama_checkpoint import add_shape_arguments, reusable_llama, shape_from
+from bench.memory import peak_rss
+from bench.workdir import run_in
+from peerd.cluster.monitor import write_battery_file
 from peerd.commands.client import chat_events
-from peerd.commands.local_cluster import LocalCluster, budget_share, holder_share
+from peerd.commands.local_cluster import LocalCluster
 from peerd.errors import PeerdError
 from shards.manifest import Manifest, Quant
 
@@ -50,23 +47,6 @@ ANSWER_TOKENS = 48
 BASELINE_S = 5.0
 CHANGE_S = 180.0  # the longest wait for the leader's new plan, and for the old one to retire
 AFTER_S = 3.0
-
-
-@dataclass
-class RssLog:
-    """Each daemon's highest RSS, sampled every SAMPLE_S until stopped."""
-
-    processes: list[psutil.Process]
-    peak: list[int] = field(default_factory=list)
-    samples: int = 0
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        self.peak = [0] * len(self.processes)
-        while not self.stop.wait(SAMPLE_S):
-            for i, process in enumerate(self.processes):
-                self.peak[i] = max(self.peak[i], process.memory_info().rss)
-            self.samples += 1
 
 
 @dataclass
@@ -89,24 +69,6 @@ class Answers:
             except PeerdError as exc:  # between plans: ask again
                 print(f"answer failed: {exc}", file=sys.stderr)
                 time.sleep(0.5)
-
-
-def shard(model_dir: Path, state_dir: Path, quant: Quant) -> Manifest:
-    """The model's units at `quant`, made in the model peer's shard cache (where its daemon
-    finds them ready)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "peerd", "shard", str(model_dir), "--quant", quant.value,
-         "--json"], stdout=subprocess.PIPE, text=True, check=True,
-        env={**os.environ, "PEERD_STATE_DIR": str(state_dir)},
-    )
-    return Manifest.load(Path(json.loads(done.stdout)["directory"]))
-
-
-def daemon(cluster: LocalCluster, i: int) -> psutil.Process:
-    """Peer i's daemon: this process's child started with peer i's state directory."""
-    state_dir = str(cluster.dirs[i])
-    return next(p for p in psutil.Process().children()
-                if state_dir in p.cmdline() and "start" in p.cmdline())
 
 
 def units_by_peer(cluster: LocalCluster) -> list[tuple[int, ...]]:
@@ -136,42 +98,35 @@ def wait(condition, timeout: float):
     return value
 
 
-def set_battery(path: Path, percent: float, plugged: bool) -> None:
-    path.write_text(json.dumps({"percent": percent, "plugged": plugged}))
-
-
 def run(root: Path, model_dir: Path, quant: Quant) -> dict:
-    manifest = shard(model_dir, root / "cluster" / "peer0", quant)
-    budget = budget_share(manifest, holder_share(PEERS))
     battery = root / "battery.json"
-    set_battery(battery, 100, True)
-    peer_args = [["--memory-budget", budget] for _ in range(PEERS)]
-    peer_args[ON_BATTERY] += ["--battery-file", str(battery)]
-    with LocalCluster(root / "cluster", model_dir, PEERS, extra=["--quant", quant.value],
-                      peer_args=peer_args,
+    write_battery_file(battery, 100, True)
+    peer_args: list[list[str]] = [[] for _ in range(PEERS)]
+    peer_args[ON_BATTERY] = ["--battery-file", str(battery)]
+    with LocalCluster(root / "cluster", model_dir, PEERS, peer_args=peer_args, quant=quant,
                       progress=lambda line: print(line, file=sys.stderr)) as cluster:
+        manifest = cluster.manifest
+        assert manifest is not None  # set on entering
         before, plan = units_by_peer(cluster), served_plan(cluster)
-        rss = RssLog([daemon(cluster, i) for i in range(PEERS)])
+        pids = [cluster.pid(i) for i in range(PEERS)]
         answers = Answers(cluster.dirs[0])
-        threads = [threading.Thread(target=t.run, daemon=True) for t in (rss, answers)]
-        for thread in threads:
-            thread.start()
-        try:
-            time.sleep(BASELINE_S)
-            steady = list(rss.peak)
-            set_battery(battery, 50, False)
-            changed = wait(lambda: served_plan(cluster) not in (plan, None), CHANGE_S)
-            retired = changed and wait(lambda: planes_retired(cluster), CHANGE_S)
-            time.sleep(AFTER_S)
-        finally:
-            rss.stop.set()
-            answers.stop.set()
+        client = threading.Thread(target=answers.run, daemon=True)
+        with peak_rss(pids, SAMPLE_S) as rss:
+            client.start()
+            try:
+                time.sleep(BASELINE_S)
+                steady = [rss.peak[pid] for pid in pids]
+                write_battery_file(battery, 50, False)
+                changed = wait(lambda: served_plan(cluster) not in (plan, None), CHANGE_S)
+                retired = changed and wait(lambda: planes_retired(cluster), CHANGE_S)
+                time.sleep(AFTER_S)
+            finally:
+                answers.stop.set()
         after = units_by_peer(cluster)
-        for thread in threads:
-            thread.join(130)
+        client.join(130)
     return {"manifest": manifest, "before": before, "after": after, "steady": steady,
-            "peak": rss.peak, "samples": rss.samples, "changed": bool(changed),
-            "retired": bool(retired), "crossed": answers.crossed}
+            "peak": [rss.peak[pid] for pid in pids], "samples": rss.samples,
+            "changed": bool(changed), "retired": bool(retired), "crossed": answers.crossed}
 
 
 def weights(manifest: Manifest, units: set[int]) -> int:
@@ -220,12 +175,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quant", choices=[q.value for q in Quant], default=Quant.INT4.value)
     parser.add_argument("--dir", help="keep the model and state here (reruns reuse shards)")
     args = parser.parse_args(argv)
-    root = Path(args.dir or tempfile.mkdtemp(prefix="peerd-rebalance-memory-"))
+    return 0 if run_in(args.dir, lambda root: _bench(root, args)) else 1
+
+
+def _bench(root: Path, args: argparse.Namespace) -> bool:
     model_dir = reusable_llama(root, shape_from(args), lambda line: print(line, file=sys.stderr))
     print(f"model: random Llama, {args.layers} layers, hidden {args.hidden}, --quant "
           f"{args.quant}; {PEERS} daemons, each with memory for 1/{PEERS - 0.6:g} of it; "
           f"peer{ON_BATTERY} goes on battery")
-    return 0 if report(run(root, model_dir, Quant(args.quant))) else 1
+    return report(run(root, model_dir, Quant(args.quant)))
 
 
 if __name__ == "__main__":

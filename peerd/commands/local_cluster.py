@@ -35,9 +35,9 @@ from peerd.errors import PeerdError
 from peerd.wire import identity
 from peerd.wire.states import DeployState, ModelState
 from planner.model import Cluster
-from shards.cache import cached
+from shards.cache import ShardOptions, cached
 from shards.cli import SHARDS_SUBDIR
-from shards.manifest import Manifest
+from shards.manifest import Manifest, Quant
 
 BETA = Cluster(source="", devices=()).beta  # the share of its budget a peer offers
 READY_S = 600.0
@@ -54,12 +54,13 @@ class LocalCluster:
                  cpus: Sequence[Sequence[int]] | None = None, extra: Sequence[str] = (),
                  peer_args: Sequence[Sequence[str]] = (),
                  shares: Sequence[float] | None = None,
-                 shard_cache: Path | None = None) -> None:
+                 shard_cache: Path | None = None, quant: Quant = Quant.NONE) -> None:
         """`holders`: how many peers it takes to hold the model (default: all of them);
         `shares`: instead, per peer, the fraction of the model it has memory for;
         `cpus`: per peer, the cores its daemon is pinned to; `extra`: more `peerd start`
         arguments for every peer, `peer_args`: for peer i, its own; `shard_cache`: where
-        the model peer's shard cache is kept."""
+        the model peer's shard cache is kept; `quant`: the units' weights (the model peer's
+        `--quant`; the default budgets are shares of those units)."""
         self.root, self.model_dir, self.count = Path(root), Path(model_dir), peers
         self.progress = progress
         self.shares = list(shares or [holder_share(holders or peers)] * peers)
@@ -69,6 +70,7 @@ class LocalCluster:
         self._args: dict[int, tuple] = {}
         self.dirs: list[Path] = []
         self.shard_cache = shard_cache
+        self.quant = quant
         self.manifest: Manifest | None = None
         self._processes: list[subprocess.Popen] = []
 
@@ -76,7 +78,7 @@ class LocalCluster:
         self.dirs = _cluster_dirs(self.root, self.count)
         if self.shard_cache is not None:
             _link_shard_cache(self.dirs[0], self.shard_cache)
-        self.manifest = _shard(self.model_dir, self.dirs[0], self.progress)
+        self.manifest = _shard(self.model_dir, self.dirs[0], self.quant, self.progress)
         try:
             self._start_all([budget_share(self.manifest, share) for share in self.shares])
             _wait_for_deployment(self.dirs, self._processes, self.progress)
@@ -90,7 +92,8 @@ class LocalCluster:
         other ports when the model peer could not take those (someone took them meanwhile)."""
         for _ in range(PORT_TRIES):
             port = _free_ports(3)
-            self._start(0, budgets[0], "--model", str(self.model_dir), "--port", str(port))
+            self._start(0, budgets[0], "--model", str(self.model_dir), "--quant",
+                        self.quant.value, "--port", str(port))
             for i in range(1, self.count):
                 self._start(i, budgets[i], "--peer", f"127.0.0.1:{port}")
             if _wait(functools.partial(self._model_peer_up, port), "peer0 to start") == "up":
@@ -123,10 +126,13 @@ class LocalCluster:
         """Start peer i's daemon again, as it was started."""
         self._processes[i] = _start(self.dirs[i], *self._args[i])
 
+    def pid(self, i: int) -> int:
+        """The process id of peer i's daemon."""
+        return self._processes[i].pid
+
     def pin(self, i: int, cores: Sequence[int]) -> None:
         """Move peer i's running daemon, every thread of it, onto `cores`."""
-        pid = self._processes[i].pid
-        for thread in os.listdir(f"/proc/{pid}/task"):
+        for thread in os.listdir(f"/proc/{self.pid(i)}/task"):
             os.sched_setaffinity(int(thread), cores)
 
     def status(self, i: int = 0) -> dict | None:
@@ -169,22 +175,24 @@ def _link_shard_cache(state_dir: Path, cache: Path) -> None:
         link.symlink_to(cache.resolve(), target_is_directory=True)
 
 
-def _shard(model_dir: Path, state_dir: Path, progress: Callable[[str], None]) -> Manifest:
+def _shard(model_dir: Path, state_dir: Path, quant: Quant,
+           progress: Callable[[str], None]) -> Manifest:
     """Find the units in the model peer's cache from an earlier run, or shard into it with
     progress on stderr; the manifest."""
     progress("the model's ONNX units: made once, then reused")
-    found = cached(model_dir, state_dir / SHARDS_SUBDIR)
+    found = cached(model_dir, state_dir / SHARDS_SUBDIR, ShardOptions(quant))
     if found is None:
-        return _shard_in_child(model_dir, state_dir, progress)
+        return _shard_in_child(model_dir, state_dir, quant, progress)
     progress(f"  reused the {len(found.manifest.units)} units in {found.directory.resolve()}")
     return found.manifest
 
 
-def _shard_in_child(model_dir: Path, state_dir: Path,
+def _shard_in_child(model_dir: Path, state_dir: Path, quant: Quant,
                     progress: Callable[[str], None]) -> Manifest:
     """`peerd shard` into the model peer's cache (a child: exporting imports torch)."""
     done = subprocess.run(
-        [sys.executable, "-m", "peerd", "shard", str(model_dir), "--json"],
+        [sys.executable, "-m", "peerd", "shard", str(model_dir), "--json", "--quant",
+         quant.value],
         stdout=subprocess.PIPE, text=True, env={**os.environ, "PEERD_STATE_DIR": str(state_dir)},
     )
     if done.returncode != 0:
