@@ -11,12 +11,11 @@ text before it and stops the cluster there), `logprobs` with `top_logprobs` (cha
 must be the served model's id; other fields (penalties, tools...) are ignored. Each choice
 carries the extension field `token_ids`. The chat op's error kinds become OpenAI's status codes
 (`api_error`). The HTTP itself (connection cap, CORS, key, body limits) is
-peerd/api/http_service.py.
+peerd/api/http_service.py; the options, peerd/api/openai_settings.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import ipaddress
 import logging
@@ -24,14 +23,13 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from aiohttp import web
 
 from peerd.api.http_service import ApiError, Cors, EventStream, HttpService, read_json
 from peerd.api.local_api import Op
+from peerd.api.openai_settings import Settings
 from peerd.control.deploy import Deployment
 from peerd.errors import ErrorKind, PeerdError
 from peerd.inference.serving import parse_chat
@@ -39,96 +37,12 @@ from shards.sampling import MAX_TOP_LOGPROBS
 
 log = logging.getLogger("peerd.openai")
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_MAX_CONNECTIONS = 256
-IDLE_TIMEOUT_S = 30.0  # an idle keep-alive connection is closed after this long
 KEEPALIVE_S = 5.0  # a stream with no token for this long gets a comment (a long prefill)
 RETRY_AFTER_S = 1  # told to a client turned away busy
 # OpenAI's default is "until the context is full"; the chat op needs a number.
 DEFAULT_MAX_TOKENS = 256
 MAX_COMPLETION_LOGPROBS = 5  # completions' `logprobs: N`, as OpenAI allows
 MODELS = "/v1/models"
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Where and how the endpoint serves."""
-
-    host: str = DEFAULT_HOST
-    port: int = 0
-    cors: tuple[str, ...] = ()  # origins whose pages may call it ("*": any)
-    key: str | None = None  # the bearer key every request must carry, if any
-    max_connections: int = DEFAULT_MAX_CONNECTIONS
-    idle_timeout_s: float = IDLE_TIMEOUT_S
-
-
-def settings_from_args(args: argparse.Namespace) -> Settings | None:
-    """`peerd start`'s --openai* options; None when --openai is not given."""
-    if not args.openai:
-        given = [flag for flag, value in (
-            ("--openai-cors", args.openai_cors), ("--openai-key-file", args.openai_key_file),
-            ("--openai-max-connections", args.openai_max_connections is not None)) if value]
-        if given:
-            raise PeerdError(f"{given[0]} needs --openai [HOST:]PORT")
-        return None
-    max_connections = args.openai_max_connections
-    if max_connections is None:
-        max_connections = DEFAULT_MAX_CONNECTIONS
-    elif max_connections < 1:
-        raise PeerdError(f"--openai-max-connections {max_connections} must be at least 1")
-    return Settings(
-        *parse_address(args.openai),
-        cors=tuple(parse_origin(o) for o in args.openai_cors),
-        key=read_key(Path(args.openai_key_file)) if args.openai_key_file else None,
-        max_connections=max_connections,
-    )
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    """`--openai`'s HOST:PORT (``[v6]:PORT`` for IPv6), or PORT alone for 127.0.0.1:PORT."""
-    host, sep, port = text.rpartition(":")
-    host = host.strip("[]") if sep else DEFAULT_HOST
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise PeerdError(f"--openai {text!r} is not [HOST:]PORT")
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        raise PeerdError(f"--openai {text!r}: the host must be an IP address") from None
-    return host, int(port)
-
-
-def parse_origin(text: str) -> str:
-    """An --openai-cors origin: SCHEME://HOST[:PORT] as a browser sends it, or "*"."""
-    if text == "*":
-        return text
-    try:
-        parts = urlsplit(text.rstrip("/"))
-        parts.port  # noqa: B018 (raises on a bad port)
-    except ValueError:
-        parts = None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or (
-        parts.path or parts.query or parts.fragment or "@" in parts.netloc
-    ):
-        raise PeerdError(f"--openai-cors {text!r} is not an origin such as "
-                         "http://localhost:3000 (or *)")
-    return f"{parts.scheme}://{parts.netloc}"
-
-
-def read_key(path: Path) -> str:
-    """The key in --openai-key-file: its one line, without surrounding whitespace."""
-    try:
-        key = path.read_text().strip()
-    except FileNotFoundError:
-        raise PeerdError(f"--openai-key-file {path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise PeerdError(f"--openai-key-file {path}: cannot read it: {reason}") from None
-    if not key:
-        raise PeerdError(f"--openai-key-file {path} is empty: put the key in it")
-    if not (key.isascii() and key.isprintable()) or any(c.isspace() for c in key):
-        raise PeerdError(f"--openai-key-file {path}: the key must be one word of printable "
-                         "ASCII")
-    return key
 
 
 @dataclass(frozen=True)

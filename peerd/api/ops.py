@@ -7,16 +7,18 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from peerd.api import status
 from peerd.api.local_api import EventBus, Op, Send
-from peerd.api.openai_api import OpenAiApi
 from peerd.cluster.measuring import Measuring
 from peerd.cluster.peers import ClusterView
 from peerd.control.plans import Plans
 from peerd.errors import PeerdError
 from peerd.inference.serving import Serving
+
+if TYPE_CHECKING:
+    from peerd.api.openai_api import OpenAiApi  # imported by the daemon only when served
 
 
 @dataclasses.dataclass(frozen=True)

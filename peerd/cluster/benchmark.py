@@ -1,7 +1,7 @@
 """Measuring peers: FLOP/s on a calibration ONNX graph, and link latency and bandwidth.
 
 The calibration unit is decode-shaped: one row through a chain of square MatMuls too large
-for the cache, built with ``onnx.helper`` and timed on ONNX Runtime with the stage
+for the cache (`calibration_graph.py`), timed on ONNX Runtime with the stage
 executor's threading (no torch in the daemon). A decode step is bound by reading weights
 from memory, so a peer's figure predicts its stage times; a matrix-matrix product would
 measure arithmetic an order of magnitude faster than decode ever runs. Links are
@@ -25,10 +25,9 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 
 import numpy as np
-import onnx
 import onnxruntime as ort
-from onnx import TensorProto, helper
 
+from peerd.cluster.calibration_graph import calibration_model
 from peerd.wire import protocol
 from peerd.wire.protocol import LinkFigures, PeerFigures
 from peerd.wire.transport import Transport, TransportError
@@ -46,35 +45,6 @@ PROBE_BYTES = 4 * 1024 * 1024
 PROBE_TRANSFERS = 2
 PING_TIMEOUT_S = 2.0
 TRANSFER_TIMEOUT_S = 30.0
-
-
-def calibration_model(size: int = CALIBRATION_SIZE, depth: int = CALIBRATION_DEPTH) -> bytes:
-    """A serialized ONNX graph: a row x[1,size] multiplied by ``depth`` [size,size] matrices,
-    as a decode step multiplies one token's activations by its weights.
-
-    The matrices are ConstantOfShape nodes, which ONNX Runtime folds into weights when it
-    loads the graph: the serialized graph stays a few hundred bytes. Each has its own value
-    (no two are the same constant to be shared), and together they are far larger than a
-    CPU's cache, so every run streams them from memory as decode does."""
-    nodes, shapes, previous = [], [], "x"
-    for i in range(depth):
-        shapes.append(onnx.numpy_helper.from_array(np.array([size, size], np.int64), f"s{i}"))
-        value = helper.make_tensor(f"v{i}", TensorProto.FLOAT, [1], [(1.0 + i / depth) / size])
-        nodes.append(helper.make_node("ConstantOfShape", [f"s{i}"], [f"w{i}"], value=value))
-        output = "y" if i == depth - 1 else f"h{i}"
-        nodes.append(helper.make_node("MatMul", [previous, f"w{i}"], [output]))
-        previous = output
-    graph = helper.make_graph(
-        nodes,
-        "peerd-calibration",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, size])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, size])],
-        initializer=shapes,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    return model.SerializeToString()
 
 
 def calibration_flops(size: int = CALIBRATION_SIZE, depth: int = CALIBRATION_DEPTH) -> int:

@@ -26,7 +26,8 @@ from shards.errors import ModelError, NoTokenizer
 from shards.executor import StageExecutor
 from shards.manifest import Manifest
 from shards.sampling import SamplingParams
-from shards.tokenizer import TextStream, Tokenizer
+from shards.text_stream import TextStream
+from shards.tokenizer import Tokenizer
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -155,7 +156,7 @@ def _prompt_ids(args: argparse.Namespace, model_dir: Path) -> list[int]:
 
 
 def _decode(model_dir: Path, token_ids: list[int]) -> str:
-    """The answer's text as the daemon streams it (shards.tokenizer.TextStream)."""
+    """The answer's text as the daemon streams it (shards.text_stream.TextStream)."""
     try:
         text = TextStream(Tokenizer.from_model(model_dir))
     except NoTokenizer:

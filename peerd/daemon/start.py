@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from peerd import statedir
-from peerd.api import openai_api
+from peerd.api import openai_settings
 from peerd.cluster.discovery import parse_peer
 from peerd.cluster.monitor import parse_size
 from peerd.daemon.wiring import Daemon, Options
@@ -47,7 +47,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         objective=args.objective,
         model=args.model,
         quant=args.quant,
-        openai=openai_api.settings_from_args(args),
+        openai=openai_settings.settings_from_args(args),
     )
 
 

@@ -19,12 +19,11 @@ import secrets
 import signal
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from peerd import statedir
-from peerd.api import openai_api, ops, status
+from peerd.api import openai_settings, ops, status
 from peerd.api.local_api import EventBus, LocalApi
-from peerd.api.openai_api import OpenAiApi, served_model
 from peerd.api.plan_events import plan_events
 from peerd.cluster import election, measuring, membership
 from peerd.cluster.discovery import MdnsDiscovery, StaticPeers, advertised_addresses
@@ -41,6 +40,9 @@ from peerd.wire.identity import ClusterSecret, Identity
 from peerd.wire.transport import Incoming, Transport, TransportError
 from shards.manifest import Quant
 from shards.source import open_model
+
+if TYPE_CHECKING:
+    from peerd.api.openai_api import OpenAiApi
 
 log = logging.getLogger("peerd.daemon.wiring")
 
@@ -65,7 +67,7 @@ class Options:
     fp16_wire: bool = False
     rebalance: bool = True  # as leader, move work when load or battery change
     objective: str = "throughput"  # what this peer's plans optimise while it leads
-    openai: openai_api.Settings | None = None  # the OpenAI-compatible endpoint, if served
+    openai: openai_settings.Settings | None = None  # the OpenAI-compatible endpoint, if served
 
 
 class Daemon:
@@ -128,11 +130,7 @@ class Daemon:
             ports.hello, ports.control, ports.data,
         )
         self.api = LocalApi(statedir.socket_path(self.options.state_dir), self.ops.table())
-        self.openai = (
-            OpenAiApi(self.ops.chat, lambda: served_model(self.plans.deployment),
-                      self.options.openai)
-            if self.options.openai else None
-        )
+        self.openai = self._openai_endpoint()
         self.discovery = MdnsDiscovery(
             self.record, self.secret, self.options.interface, self.cluster.on_record,
             self.cluster.on_departure,
@@ -151,6 +149,15 @@ class Daemon:
             await self._stopping.wait()
         finally:
             await self._shutdown()
+
+    def _openai_endpoint(self) -> OpenAiApi | None:
+        settings = self.options.openai
+        if settings is None:
+            return None
+        # Imported here: aiohttp costs every daemon that does not serve the endpoint 12 MB.
+        from peerd.api.openai_api import OpenAiApi, served_model
+
+        return OpenAiApi(self.ops.chat, lambda: served_model(self.plans.deployment), settings)
 
     def _start_loops(self) -> None:
         self._spawn(self.cluster.heartbeats())

@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from peerd.cluster.membership import Member
 from peerd.cluster.peers import Handler
@@ -59,7 +59,10 @@ from shards.errors import ModelError, NoTokenizer
 from shards.executor import StageExecutor, held_bytes
 from shards.manifest import Manifest
 from shards.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from shards.tokenizer import TextStream, Tokenizer
+from shards.text_stream import TextStream
+
+if TYPE_CHECKING:
+    from shards.tokenizer import Tokenizer
 
 log = logging.getLogger("peerd.inference.serving")
 
@@ -529,6 +532,9 @@ class Serving:
     def _load_tokenizer(self) -> Tokenizer | None:
         if self.model_dir is None:
             return None
+        # Imported here: the tokenizer libraries cost every peer without the model 10 MB.
+        from shards.tokenizer import Tokenizer
+
         try:
             return Tokenizer.from_model(self.model_dir)
         except NoTokenizer as exc:

@@ -1,6 +1,6 @@
 """Stop strings: an answer's text ends before the first one that appears in it.
 
-Text arrives in pieces (one per token, see shards.tokenizer.TextStream). A stop string may
+Text arrives in pieces (one per token, see shards.text_stream.TextStream). A stop string may
 straddle pieces, so the tail of the text that could still grow into one is held back until
 it is decided: handed out once the next pieces show it is not a stop string, dropped with
 everything after it once it is. Nothing handed out is ever taken back.

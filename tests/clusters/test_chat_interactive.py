@@ -26,7 +26,8 @@ from terminal import Terminal
 from peerd.commands.chat import HISTORY_NAME, PROMPT, STOPPED
 from peerd.commands.local_cluster import LocalCluster
 from shards.config import read_checkpoint_config
-from shards.tokenizer import TextStream, Tokenizer
+from shards.text_stream import TextStream
+from shards.tokenizer import Tokenizer
 
 PEERD = [sys.executable, "-m", "peerd"]
 SHORT, LONG = 24, 2000  # new tokens: turns compared with transformers; the answer stopped

@@ -32,12 +32,13 @@ from openai import AuthenticationError, BadRequestError, NotFoundError, OpenAI
 from sharding import logits_along, reference, seed_shard_cache
 
 from peerd.api.http_service import MAX_BODY_BYTES
-from peerd.api.openai_api import DEFAULT_MAX_CONNECTIONS
+from peerd.api.openai_settings import DEFAULT_MAX_CONNECTIONS
 from peerd.cluster.membership import Timing
 from peerd.commands import client
 from peerd.errors import PeerdError
 from peerd.wire import identity
-from shards.tokenizer import TextStream, Tokenizer
+from shards.text_stream import TextStream
+from shards.tokenizer import Tokenizer
 
 PEERD = [sys.executable, "-m", "peerd"]
 READY_S, ANSWER_S = 180, 60

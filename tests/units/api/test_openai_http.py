@@ -17,11 +17,9 @@ import time
 import pytest
 
 from peerd.api.http_service import MAX_BODY_BYTES
-from peerd.api.openai_api import (
-    OpenAiApi,
-    ServedModel,
+from peerd.api.openai_api import OpenAiApi, ServedModel, api_error
+from peerd.api.openai_settings import (
     Settings,
-    api_error,
     parse_address,
     parse_origin,
     read_key,

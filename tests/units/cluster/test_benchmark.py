@@ -9,7 +9,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from peerd.cluster import benchmark
+from peerd.cluster import benchmark, calibration_graph
 from peerd.wire import protocol
 from peerd.wire.protocol import LinkFigures, PeerFigures
 from peerd.wire.transport import TransportError
@@ -17,7 +17,8 @@ from peerd.wire.transport import TransportError
 
 def test_calibration_graph_multiplies_a_row_by_distinct_constant_matrices():
     size, depth = 32, 3
-    model = onnx.load_from_string(benchmark.calibration_model(size, depth))
+    model = onnx.load_from_string(calibration_graph.calibration_model(size, depth))
+    onnx.checker.check_model(model, full_check=True)
     assert [n.op_type for n in model.graph.node] == ["ConstantOfShape", "MatMul"] * depth
     constants = [onnx.numpy_helper.to_array(n.attribute[0].t)[0]
                  for n in model.graph.node if n.op_type == "ConstantOfShape"]

@@ -17,7 +17,8 @@ from peerd.wire.identity import ClusterSecret, KeyPair
 from peerd.wire.protocol import PlanAssignment, PlanFigures, PlanStage
 from peerd.wire.transport import Transport
 from shards.executor import SessionShelf, StageExecutor
-from shards.tokenizer import TextStream, Tokenizer
+from shards.text_stream import TextStream
+from shards.tokenizer import Tokenizer
 
 PROMPT = [1, 2, 3]
 

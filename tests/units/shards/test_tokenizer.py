@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shards.errors import ModelError
-from shards.tokenizer import TextStream, Tokenizer
+from shards.text_stream import TextStream
+from shards.tokenizer import Tokenizer
 
 TEXTS = ["hello world! how are you today?", "  numbers 0 1 2 3, tabs\tand\nnewlines ", "ünïcödé ✓"]
 CONVERSATION = [
