@@ -31,6 +31,7 @@ from pathlib import Path
 
 from bench.llama_checkpoint import add_shape_arguments, reusable_llama, shape_from
 from bench.memory import peak_rss
+from bench.shards import shard_cache
 from bench.workdir import run_in
 from peerd.cluster.monitor import write_battery_file
 from peerd.commands.client import chat_events
@@ -104,6 +105,7 @@ def run(root: Path, model_dir: Path, quant: Quant) -> dict:
     peer_args: list[list[str]] = [[] for _ in range(PEERS)]
     peer_args[ON_BATTERY] = ["--battery-file", str(battery)]
     with LocalCluster(root / "cluster", model_dir, PEERS, peer_args=peer_args, quant=quant,
+                      shard_cache=shard_cache(root),
                       progress=lambda line: print(line, file=sys.stderr)) as cluster:
         manifest = cluster.manifest
         assert manifest is not None  # set on entering
@@ -173,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shape_arguments(parser)
     parser.add_argument("--quant", choices=[q.value for q in Quant], default=Quant.INT4.value)
-    parser.add_argument("--dir", help="keep the model and state here (reruns reuse shards)")
+    parser.add_argument("--dir", help="keep the model and state here (reruns, and bench.quant "
+                        "with the same --dir, reuse its units)")
     args = parser.parse_args(argv)
     return 0 if run_in(args.dir, lambda root: _bench(root, args)) else 1
 
