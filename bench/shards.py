@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from bench.llama_checkpoint import LlamaShape, write_llama
-from peerd.commands.generate import build_pipeline, generate
+from peerd.commands.generate import GENERATE_OPTIONS, build_pipeline, generate
 from shards.arch import empty_cache
 from shards.cache import ShardResult
 from shards.checkpoint import load_model
@@ -154,7 +154,8 @@ def _torch_eager(
 def onnx_runner(
     result: ShardResult, parts: int, prompt: list[int], steps: int
 ) -> Callable[[], Run]:
-    pipeline = build_pipeline(result.manifest, result.directory, parts)
+    pipeline = build_pipeline(result.manifest, result.directory, parts,
+                              options=GENERATE_OPTIONS)
 
     def run() -> Run:
         done = generate(pipeline, result.manifest, prompt, steps + 1, SamplingParams(),

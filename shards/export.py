@@ -40,6 +40,7 @@ from shards.arch import build_model
 from shards.cache import Progress, ShardError, ShardOptions
 from shards.checkpoint import materialize
 from shards.config import ModelConfig
+from shards.executor import session_options
 from shards.flops import run_counting_flops, state_bytes_per_token, tensor_bytes
 from shards.manifest import (
     Flops,
@@ -413,7 +414,7 @@ def _disagreement(session: ort.InferenceSession, inputs, outputs, args: tuple,
 
 def _check_options() -> ort.SessionOptions:
     """No optimisation or pre-packing: less memory, the same result."""
-    options = ort.SessionOptions()
+    options = session_options()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.add_session_config_entry("session.disable_prepacking", "1")
     options.log_severity_level = 3

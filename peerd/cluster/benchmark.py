@@ -32,7 +32,7 @@ from peerd.wire import protocol
 from peerd.wire.protocol import LinkFigures, PeerFigures
 from peerd.wire.transport import Transport, TransportError
 from shards import heap
-from shards.executor import usable_cores
+from shards.executor import session_options
 
 log = logging.getLogger("peerd.cluster.benchmark")
 
@@ -55,8 +55,7 @@ def calibration_session(size: int, depth: int) -> ort.InferenceSession:
     """The calibration graph on as many threads as the stage executor uses: one per core
     this process may run on (ONNX Runtime's default, one per core of the machine, would
     also compute on cores a pinned peer must not use)."""
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = usable_cores()
+    options = session_options()
     options.log_severity_level = 3
     return ort.InferenceSession(
         calibration_model(size, depth), options, providers=["CPUExecutionProvider"]

@@ -23,11 +23,14 @@ from peerd.inference.routing import routes
 from shards.cache import ShardOptions
 from shards.cli import shard_or_reuse
 from shards.errors import ModelError, NoTokenizer
-from shards.executor import StageExecutor
+from shards.executor import ExecutorOptions, StageExecutor
 from shards.manifest import Manifest
 from shards.sampling import SamplingParams
 from shards.text_stream import TextStream
 from shards.tokenizer import Tokenizer
+
+# `peerd generate` is a foreground process that has the cores to itself: the shared pool
+GENERATE_OPTIONS = ExecutorOptions(shared_pool=True)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -38,7 +41,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _prompt_ids(args, model_dir)
     shards = shard_or_reuse(model_dir, None, ShardOptions(quant=args.quant))
     manifest = shards.manifest
-    pipeline = build_pipeline(manifest, shards.directory, args.parts, args.fp16_wire)
+    pipeline = build_pipeline(manifest, shards.directory, args.parts, args.fp16_wire,
+                              GENERATE_OPTIONS)
     run = generate(pipeline, manifest, prompt, args.max_tokens, params)
     text = _decode(model_dir, run.token_ids)
     stats = {**run.stats, "parts": args.parts, "units": len(manifest.units),
@@ -61,11 +65,13 @@ def split_units(unit_count: int, parts: int) -> list[tuple[int, int]]:
 
 
 def build_pipeline(
-    manifest: Manifest, directory: Path, parts: int, fp16_wire: bool = False
+    manifest: Manifest, directory: Path, parts: int, fp16_wire: bool = False,
+    options: ExecutorOptions | None = None,
 ) -> LocalPipeline:
     ranges = split_units(len(manifest.units), parts)
     workers = [
-        StageWorker(stage, StageExecutor(manifest, directory, a, b), stage_routes, fp16_wire)
+        StageWorker(stage, StageExecutor(manifest, directory, a, b, options), stage_routes,
+                    fp16_wire)
         for stage, ((a, b), stage_routes) in enumerate(
             zip(ranges, routes(manifest, ranges), strict=True)
         )

@@ -75,3 +75,39 @@ def test_a_process_that_only_executes_units_never_imports_torch(llama):
     result = json.loads(out.stdout)
     assert result["torch"] is False
     assert result["tokens"] == expected
+
+
+_SHARED_POOL = """
+import json, sys
+import numpy as np
+import onnxruntime as ort
+from peerd.cluster.benchmark import calibration_session
+from shards.executor import ExecutorOptions, StageExecutor, session_options
+from shards.manifest import Manifest
+
+directory, prompt = sys.argv[1], json.loads(sys.argv[2])
+manifest = Manifest.load(directory)
+request = {"input_ids": np.array([prompt]), "position_ids": np.arange(len(prompt))[None]}
+last = len(manifest.units) - 1
+own = StageExecutor(manifest, directory, 0, last).step("s", request)["logits"]
+shared = StageExecutor(manifest, directory, 0, last, ExecutorOptions(shared_pool=True))
+pooled = shared.step("s", request)["logits"]
+unit = f"{directory}/{manifest.units[1].model_file.name}"
+ort.InferenceSession(unit, session_options(), providers=["CPUExecutionProvider"])
+calibration_session(64, 2)
+print(json.dumps({"max_difference": float(np.abs(own - pooled).max()),
+                  "same_argmax": bool((own.argmax(-1) == pooled.argmax(-1)).all())}))
+"""
+
+
+def test_the_shared_pool_computes_the_same_and_later_sessions_run_on_it(llama):
+    """In its own process: once the shared pool exists ONNX Runtime refuses sessions with
+    pools of their own, so every session peerd builds after it (an export's load check, the
+    calibration graph) must take it, and the units' results must not change."""
+    out = subprocess.run(
+        [sys.executable, "-c", _SHARED_POOL, str(llama.directory), json.dumps(PROMPT)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["same_argmax"] and result["max_difference"] < 1e-5

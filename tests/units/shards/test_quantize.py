@@ -139,3 +139,16 @@ def test_int4_layout_is_matmulnbits_blocks(hf_checkpoint, tmp_path):
     error = np.abs(restored - floats).T.reshape(n, -1, 32).max(-1)
     assert (error <= np.abs(scales) * (1 + 1e-6)).all()
     assert np.median(error / np.abs(scales)) < 0.5
+
+
+def test_int4_runs_matmuls_of_one_activation_as_one(hf_checkpoint, tmp_path):
+    """q, k and v (and the MLP's gate and up) read the same normalised hidden state: int4
+    multiplies it by their weights side by side in one MatMulNBits and splits the product;
+    the outputs are those of MatMulNBitsQuantizer's one MatMulNBits per MatMul (test above)."""
+    for unit, matmuls, fused in ((1, 4, 2), (2, 3, 2)):  # a layer's attention, its MLP
+        staged = _staged(hf_checkpoint, tmp_path, unit, name=f"unit{unit}.onnx")
+        assert [n.op_type for n in onnx.load(str(staged)).graph.node].count("MatMul") >= matmuls
+        ours = tmp_path / f"ours{unit}.onnx"
+        write_unit(quantize_unit(staged, Quant.INT4), tmp_path, ours.name)
+        ops = [n.op_type for n in onnx.load(str(ours)).graph.node]
+        assert ops.count("MatMulNBits") == fused and ops.count("Split") >= 1
