@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnxruntime as ort
@@ -326,10 +326,18 @@ class SessionShelf:
             return session
 
 
-def held_bytes(executors: Iterable[StageExecutor]) -> int:
-    """Bytes the weights and K/V of `executors` occupy: a unit session that several of them
-    run is counted once (the manifest's count of its weights)."""
-    weights: dict[int, int] = {}
+class HeldUnit(NamedTuple):
+    """A unit's session held outside any executor (a movable copy)."""
+
+    unit: Unit
+    session: ort.InferenceSession
+
+
+def held_bytes(executors: Iterable[StageExecutor], held: Iterable[HeldUnit] = ()) -> int:
+    """Bytes the weights and K/V of `executors`, and the weights of the `held` units,
+    occupy: a unit session that several of them run is counted once (the manifest's count
+    of its weights)."""
+    weights: dict[int, int] = {id(h.session): h.unit.weight_bytes for h in held}
     kv: dict[int, int] = {}
     for executor in executors:
         for unit, session in zip(executor.units, executor._sessions, strict=True):

@@ -346,7 +346,9 @@ class Coordinator:
         """The plan as the members get it."""
         plan_id = next(self._plan_ids) if plan_id is None else plan_id
         model, manifest = served.model, served.manifest
-        stages = tuple(PlanStage(s.peer, s.start, s.stop - 1) for s in plan.stages)
+        copies = plan.movable or tuple(() for _ in plan.stages)
+        stages = tuple(PlanStage(s.peer, s.start, s.stop - 1, held)
+                       for s, held in zip(plan.stages, copies, strict=True))
         log.info("plan %d (%s, %s): %s; predicted %.1f tokens/s", plan_id, plan.objective,
                  plan.solver, ", ".join(f"{s.peer} {s.first}-{s.last}" for s in stages),
                  plan.predicted.throughput_tps)

@@ -15,6 +15,11 @@ A peer whose range changes serves on its old stage until the new plan is live
 old stage's sessions of the units both hold and loads only the units it gains; the units it
 loses are freed when the old plane retires, taking the old executor with it.
 
+Once its stage is ready, a peer also loads the movable copies its plan stage names (the
+overlap plan: neighbours' boundary units, within its memory budget) into the same shelf and
+holds them, quietly (its state stays ``ready``): when a later plan moves a boundary onto it,
+the units it gains are already loaded. Copies the next plan does not name are let go.
+
 A newer plan (by leader epoch, then plan id) cancels work on an older one; bytes already
 received stay in the store, so the next plan resumes them. A plan equal to the one loaded
 (same manifest and unit range) keeps the executor as it is.
@@ -36,7 +41,7 @@ from peerd.control.unit_store import UnitStore
 from peerd.control.unit_transfer import CHUNK_BYTES, Ask, fetch_file
 from peerd.wire.protocol import DeployReport, PlanAssignment, PlanStage
 from peerd.wire.states import DeployState
-from shards.executor import SessionShelf, StageExecutor
+from shards.executor import ExecutorOptions, HeldUnit, SessionShelf, StageExecutor
 from shards.manifest import Manifest, ManifestError, Unit, UnitFile
 
 log = logging.getLogger("peerd.control.deploy")
@@ -89,6 +94,7 @@ class Deployment:
         self._chunk_bytes = chunk_bytes
         self.unit_clock = unit_clock or UnitClock()
         self.sessions = SessionShelf()  # the unit sessions of this peer's stages, old and new
+        self.copies: dict[int, HeldUnit] = {}  # the movable copies it holds, by unit index
         self.assignment: PlanAssignment | None = None
         self.manifest: Manifest | None = None  # the current plan's
         self.loaded: LoadedStage | None = None
@@ -148,6 +154,7 @@ class Deployment:
             self.manifest = _manifest(plan)
             if stage is None:
                 self.loaded = None
+                self.copies = {}
                 self._set(DeployState.READY, detail=plan.problem or "no stage in this plan")
             elif self.manifest is None or plan.model_peer is None:
                 raise ValueError("the plan gives this peer a stage but no manifest or model peer")
@@ -167,9 +174,12 @@ class Deployment:
             manifest.key, stage.first, stage.last
         ):
             self._set(DeployState.READY, detail="units already loaded")
+            await self._hold_copies(model_peer, manifest, stage)
             return
         units = manifest.units[stage.first : stage.last + 1]
-        paths = await self._unit_paths(model_peer, units)
+        paths, missing = await self._unit_paths(units)
+        if missing:
+            await self._fetch(model_peer, missing)
         self._set(DeployState.LOADING, detail=f"loading units {_range(stage)}")
         self.loaded = None  # its plane holds the old stage until the new one is live
         executor = await asyncio.to_thread(
@@ -180,6 +190,27 @@ class Deployment:
         self.loaded = LoadedStage(manifest, stage.first, stage.last, executor)
         log.info("plan %d: loaded units %s", plan.plan_id, _range(stage))
         self._set(DeployState.READY, detail=f"loaded units {_range(stage)}")
+        await self._hold_copies(model_peer, manifest, stage)
+
+    async def _hold_copies(self, model_peer: str, manifest: Manifest, stage: PlanStage) -> None:
+        """Fetch and load the stage's movable copies, without a word to the leader: the
+        stage serves meanwhile."""
+        units = tuple(manifest.units[i] for i in stage.copies)
+        paths, missing = await self._unit_paths(units)
+        for _, file in missing:
+            await fetch_file(self._ask(model_peer), self.store, file, self._chunk_bytes,
+                             lambda _name, _have: None)
+        at = _at_paths(manifest, paths)
+        self.copies = await asyncio.to_thread(self._load_copies, at, stage.copies)
+        if stage.copies:
+            log.info("holding movable copies of units %s", ", ".join(map(str, stage.copies)))
+
+    def _load_copies(self, manifest: Manifest, indices: tuple[int, ...]) -> dict[int, HeldUnit]:
+        options = ExecutorOptions()  # a StageExecutor's, so that a later stage takes them
+        units = [manifest.units[i] for i in indices]
+        return {u.index: HeldUnit(u, self.sessions.session(
+                    manifest, u, self.store.root / u.model_file.name, options))
+                for u in units}
 
     async def _warm_up(self, manifest: Manifest, executor: StageExecutor) -> None:
         """Time each unit on a warm-up step, the planner's first measured prices for them.
@@ -193,9 +224,11 @@ class Deployment:
             return
         self.unit_clock.record(manifest.key, timings)
 
-    async def _unit_paths(self, model_peer: str, units: tuple[Unit, ...]) -> dict[int, Path]:
-        """Where each unit's model file is (its data file beside it), after fetching the
-        files this peer lacks into its store."""
+    async def _unit_paths(
+        self, units: tuple[Unit, ...]
+    ) -> tuple[dict[int, Path], list[tuple[Unit, UnitFile]]]:
+        """Where each unit's model file is or will be (its data file beside it), and the
+        files this peer lacks, to fetch into its store before loading."""
         paths: dict[int, Path] = {}
         missing: dict[str, tuple[Unit, UnitFile]] = {}
         local = self._local_files()
@@ -207,9 +240,7 @@ class Deployment:
             for file in unit.files:
                 if not await asyncio.to_thread(self.store.verify, file.content_name):
                     missing[file.content_name] = (unit, file)
-        if missing:
-            await self._fetch(model_peer, list(missing.values()))
-        return paths
+        return paths, list(missing.values())
 
     async def _fetch(self, model_peer: str, missing: list[tuple[Unit, UnitFile]]) -> None:
         total = sum(file.bytes for _, file in missing)
@@ -254,6 +285,7 @@ class Deployment:
             "plan_id": plan.plan_id if plan else None,
             "epoch": plan.epoch if plan else None,
             "units": list(self.units),
+            "copies": sorted(self.copies),
             **dataclasses.asdict(self.progress),
         }
 

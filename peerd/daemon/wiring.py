@@ -234,7 +234,8 @@ class Daemon:
             await self.monitor.figures(), units=deployment.units, plan=deployment.ready_plan,
             stage_s=self.serving.stage_seconds(), unit_times=self.serving.unit_clock.figures(),
             answers=self.serving.answer_figures(),
-            memory_used=self.serving.memory_bytes(deployment.executor),
+            memory_used=self.serving.memory_bytes(deployment.executor,
+                                                  deployment.copies.values()),
         )
 
     def _publish_plan(self, plan: protocol.PlanAssignment) -> None:

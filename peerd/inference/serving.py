@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,7 +56,7 @@ from peerd.wire.protocol import (
 )
 from peerd.wire.transport import Incoming, Transport, TransportError
 from shards.errors import ModelError, NoTokenizer
-from shards.executor import StageExecutor, held_bytes
+from shards.executor import HeldUnit, StageExecutor, held_bytes
 from shards.manifest import Manifest
 from shards.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from shards.text_stream import TextStream
@@ -623,14 +623,15 @@ class Serving:
             **dataclasses.asdict(counters),
         }
 
-    def memory_bytes(self, loaded: StageExecutor | None) -> int:
+    def memory_bytes(self, loaded: StageExecutor | None, copies: Iterable[HeldUnit] = ()) -> int:
         """Bytes the weights and K/V of every stage this peer holds occupy: its planes' (an
-        old plane's too, until it retires) and `loaded`, the newest, even before its plane;
-        a unit the old and the new stage share runs in one session, counted once."""
+        old plane's too, until it retires) and `loaded`, the newest, even before its plane,
+        with the movable `copies` it holds beside them; a unit the old and the new stage
+        share runs in one session, counted once."""
         executors = self._executors()
         if loaded is not None:
             executors[id(loaded)] = loaded
-        return held_bytes(executors.values())
+        return held_bytes(executors.values(), copies)
 
     def _executors(self) -> dict[int, StageExecutor]:
         """The stage executors of this peer's planes, once each (planes may share one)."""

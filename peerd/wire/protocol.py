@@ -672,14 +672,19 @@ class ManifestOffer:
 
 @dataclasses.dataclass(frozen=True)
 class PlanStage:
-    """``peer`` runs units ``first`` to ``last`` (inclusive)."""
+    """``peer`` runs units ``first`` to ``last`` (inclusive), and holds ``copies`` of
+    neighbouring stages' units loaded beside them: the overlap plan's movable copies
+    (LinguaLinked Eq. 6-7), so that a boundary moving onto this peer loads no weights."""
 
     peer: str
     first: int
     last: int
+    copies: tuple[int, ...] = ()
 
     def __post_init__(self):
         _require(0 <= self.first <= self.last, "plan stage: bad unit range")
+        _require(all(u >= 0 and not self.first <= u <= self.last for u in self.copies),
+                 "plan stage: a copy of a unit of its own range")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import hashlib
 import time
+import weakref
 from pathlib import Path
 
 import msgpack
@@ -335,3 +337,31 @@ async def test_a_peer_whose_range_grows_loads_only_the_unit_it_gains(toy_cluster
     ids = [3, 1, 4]
     logits = logits_after_unit0(manifest, tmp_path / "model", new, ids)
     np.testing.assert_allclose(logits, toy.logits(ids), rtol=1e-5, atol=1e-5)
+
+
+async def test_movable_copies_are_held_taken_when_the_boundary_moves_and_let_go(toy_cluster):
+    toy, manifest, model, deployment, reports, tmp_path = toy_cluster
+    deployment.assign(_plan(manifest, 1, (PlanStage("model", 0, 1),
+                                          PlanStage("second", 2, 2, copies=(1,)))))
+    await _until(lambda: 1 in deployment.copies, "a copy of unit 1")
+    assert deployment.units == (2,) and deployment.status()["copies"] == [1]
+    assert {sha for sha, _ in model.requests} >= {f.sha256 for f in manifest.units[1].files}
+    copy = weakref.ref(deployment.copies[1].session)
+    ready = next(i for i, r in enumerate(reports) if r.state == "ready")
+    assert all(r.state == "ready" for r in reports[ready:]), "the stage serves while copies load"
+    model.requests.clear()
+
+    deployment.assign(_plan(manifest, 2, (PlanStage("model", 0, 0), PlanStage("second", 1, 2))))
+    await _until(lambda: deployment.units == (1, 2) and not deployment.copies, "units 1-2")
+    new = deployment.executor
+    assert new is not None and new.session(1) is copy(), "unit 1 was not loaded again"
+    assert not model.requests, "nothing was fetched"
+    ids = [3, 1, 4]
+    np.testing.assert_allclose(logits_after_unit0(manifest, tmp_path / "model", new, ids),
+                               toy.logits(ids), rtol=1e-5, atol=1e-5)
+
+    deployment.assign(_plan(manifest, 3, (PlanStage("model", 0, 1), PlanStage("second", 2, 2))))
+    await _until(lambda: deployment.units == (2,), "units 2")
+    new = None
+    gc.collect()
+    assert copy() is None, "a unit neither run nor named as a copy is let go"
