@@ -9,9 +9,10 @@ the planner's battery penalty makes the leader move units off it, which changes 
 every peer. Sampling runs from before the battery change until every peer has retired the
 old plan's plane and 3 s more.
 
-Printed per peer: its units before and after, the highest RSS sampled before the battery
-change (steady) and through it (max), the bound (old units + new units, their union's
-weights, + K/V + 200 MB) and pass/fail; then how much the RSS rose through the change beside
+Printed per peer: its units before and after (with the movable copies it holds, the overlap
+plan's, which count as its units), the highest RSS sampled before the battery change
+(steady) and through it (max), the bound (old units + new units, their union's weights,
++ K/V + 200 MB) and pass/fail; then how much the RSS rose through the change beside
 the weights of the units it gained and of its whole new stage (what loading the new stage
 beside the old one adds), and the union's weights beside old + new, each counted. K/V: the
 longest answer's tokens at every unit of the union, twice (while it moves the old and the new
@@ -80,6 +81,12 @@ def units_by_peer(cluster: LocalCluster) -> list[tuple[int, ...]]:
     return [held.get(peer, ()) for peer in ids]
 
 
+def copies_by_peer(cluster: LocalCluster) -> list[tuple[int, ...]]:
+    """The movable copies each peer holds now."""
+    return [tuple(((cluster.status(i) or {}).get("deployment") or {}).get("copies", []))
+            for i in range(cluster.count)]
+
+
 def served_plan(cluster: LocalCluster) -> str | None:
     return ((cluster.status(0) or {}).get("dataplane") or {}).get("plan")
 
@@ -118,6 +125,7 @@ def run(root: Path, model_dir: Path, quant: Quant) -> dict:
             try:
                 time.sleep(BASELINE_S)
                 steady = [rss.peak[pid] for pid in pids]
+                copied = copies_by_peer(cluster)
                 write_battery_file(battery, 50, False)
                 changed = wait(lambda: served_plan(cluster) not in (plan, None), CHANGE_S)
                 retired = changed and wait(lambda: planes_retired(cluster), CHANGE_S)
@@ -125,8 +133,10 @@ def run(root: Path, model_dir: Path, quant: Quant) -> dict:
             finally:
                 answers.stop.set()
         after = units_by_peer(cluster)
+        copied = [old + new for old, new in zip(copied, copies_by_peer(cluster), strict=True)]
         client.join(130)
-    return {"manifest": manifest, "before": before, "after": after, "steady": steady,
+    return {"manifest": manifest, "before": before, "after": after, "copies": copied,
+            "steady": steady,
             "peak": [rss.peak[pid] for pid in pids], "samples": rss.samples,
             "changed": bool(changed), "retired": bool(retired), "crossed": answers.crossed}
 
@@ -147,10 +157,11 @@ def report(result: dict) -> bool:
           f"the plan {'changed' if result['changed'] else 'did NOT change'}, old planes "
           f"{'retired' if result['retired'] else 'NOT retired'}")
     print("peer  units before -> after  steady RSS  max RSS  bound   result   rise   gained"
-          "  new stage  (union  old+new)")
+          "  new stage  (union  old+new)  copies held")
     passed = True
     for i, (old, new) in enumerate(zip(result["before"], result["after"], strict=True)):
-        union = set(old) | set(new)
+        copies = set(result["copies"][i])
+        union = set(old) | set(new) | copies
         bound = weights(manifest, union) + kv_bound(manifest, union) + OVERHEAD
         both = weights(manifest, set(old)) + weights(manifest, set(new))
         steady, peak = result["steady"][i], result["peak"][i]
@@ -160,11 +171,15 @@ def report(result: dict) -> bool:
               f"  {(peak - steady) / mb:4.0f} MB"
               f"  {weights(manifest, union - set(old)) / mb:4.0f} MB"
               f"  {weights(manifest, set(new)) / mb:6.0f} MB  ({weights(manifest, union) / mb:4.0f}"
-              f"  {both / mb:5.0f} MB)")
+              f"  {both / mb:5.0f} MB)  {_listed(copies)}")
     crossed = result["crossed"]
     print(f"answers that crossed the change: {len(crossed)}, with their K/V moved: "
           f"{sum(kv for _, kv in crossed)}")
     return passed and result["changed"]
+
+
+def _listed(units: set[int]) -> str:
+    return ",".join(map(str, sorted(units))) or "none"
 
 
 def _range(units: tuple[int, ...]) -> str:
