@@ -20,7 +20,8 @@ with std 0.02, by bench.llama_checkpoint) is sharded three times with the real C
    units, so the plan has three stages), one cluster per quantisation, all up at once: decode
    tokens/s of chat answers through the local API (`--cluster-rounds` rounds, the clusters
    taking turns), and each daemon's peak RSS while they answer (psutil, every 100 ms)
-   against its plan's units' weight bytes + the K/V of one whole answer on them;
+   against the weight bytes of its plan's units and of the movable copies it holds beside
+   them + the K/V of one whole answer on its units;
 5. against float32, teacher-forced on float32's own greedy sequence of `--agreement-tokens`
    tokens: how often the quantised model's top-1 token is float32's, and the mean KL
    divergence KL(float32 || quantised) of the next-token distributions, in nats.
@@ -173,11 +174,14 @@ def _clusters(root: Path, model: Path, results: dict[Quant, ShardResult], tokens
         print(f"\npeak RSS of each daemon while answering, against its units + the K/V of a "
               f"{context}-token context (target: <= + {OVERHEAD_TARGET / MB:.0f} MB)")
         for quant, cluster in clusters.items():
-            units = _units_by_peer(cluster)
+            units, copies = _units_by_peer(cluster), _copies_by_peer(cluster)
             for peer, pid in daemons[quant].items():
-                held = [results[quant].manifest.units[u] for u in units.get(peer, [])]
-                _memory_line(f"{quant.value:<5} {peer[:6]} units {_span(held)}",
-                             rss.peak[pid], sum(u.weight_bytes for u in held),
+                manifest = results[quant].manifest
+                held = [manifest.units[u] for u in units.get(peer, [])]
+                copied = [manifest.units[u] for u in copies.get(peer, [])]
+                _memory_line(f"{quant.value:<5} {peer[:6]} units {_span(held)}"
+                             f" + {len(copied)} copies", rss.peak[pid],
+                             sum(u.weight_bytes for u in held + copied),
                              context * sum(u.kv_bytes_per_token for u in held))
 
 
@@ -210,6 +214,12 @@ def _daemons(cluster: LocalCluster) -> dict[str, int]:
 def _units_by_peer(cluster: LocalCluster) -> dict[str, list[int]]:
     stages = _status(cluster, 0)["plan"]["stages"]
     return {stage["peer"]: stage["units"] for stage in stages}
+
+
+def _copies_by_peer(cluster: LocalCluster) -> dict[str, list[int]]:
+    """The movable copies each peer holds (the overlap plan's, loaded beside its stage)."""
+    statuses = [_status(cluster, i) for i in range(cluster.count)]
+    return {s["self"]: (s.get("deployment") or {}).get("copies", []) for s in statuses}
 
 
 def _span(units: list) -> str:
