@@ -300,7 +300,9 @@ class Deployment:
             "id": plan.plan_id,
             "epoch": plan.epoch,
             "stages": [
-                {"peer": s.peer, "units": list(range(s.first, s.last + 1))} for s in plan.stages
+                {"peer": s.peer, "units": list(range(s.first, s.last + 1)),
+                 "copies": list(s.copies)}
+                for s in plan.stages
             ],
             "objective": plan.objective,
             "solver": plan.solver,

@@ -85,9 +85,13 @@ def test_the_plan_spreads_the_model_and_every_peer_loads_exactly_its_units(clust
     assert len(stages) >= 2 and plan["stages"][0]["peer"] == model_peer.id
     assert plan["objective"] == "throughput" and plan["predicted"]["throughput_tps"] > 0
     assert model["units"] == len(manifest.units) == plan["stages"][-1]["units"][-1] + 1
+    copies = {stage["peer"]: stage["copies"] for stage in plan["stages"]}
     for peer in peers[1:]:
-        wanted = {f.content_name for u in stages.get(peer.id, []) for f in manifest.units[u].files}
-        assert _cached(peer) == wanted, f"{peer.id} holds exactly the files of its units"
+        netns.wait_for(lambda p=peer: p.status()["deployment"]["copies"] == copies.get(p.id, []),
+                       DEPLOYED_S, f"{peer.id} to hold its movable copies")
+        held = [*stages.get(peer.id, []), *copies.get(peer.id, [])]
+        wanted = {f.content_name for u in held for f in manifest.units[u].files}
+        assert _cached(peer) == wanted, f"{peer.id} holds exactly the files of its units and copies"
     assert _cached(model_peer) == set(), "the model peer serves its own shard directory"
     for status in (p.status() for p in peers):
         assert status["torch_imported"] is False

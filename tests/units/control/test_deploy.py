@@ -283,7 +283,8 @@ async def test_newer_plans_replace_older_ones_and_stale_ones_are_ignored(toy_clu
     await _until(lambda: deployment.assignment.plan_id == 4 and deployment.units == (),
                  "unloading")
     assert reports[-1].state == "ready" and reports[-1].units == ()
-    assert deployment.plan_document()["stages"] == [{"peer": "model", "units": [0, 1, 2]}]
+    assert deployment.plan_document()["stages"] == [{"peer": "model", "units": [0, 1, 2],
+                                                      "copies": []}]
 
 
 async def test_a_failed_deployment_is_reported_and_retried_when_the_plan_comes_again(
