@@ -94,6 +94,7 @@ class Deployment:
         self._chunk_bytes = chunk_bytes
         self.unit_clock = unit_clock or UnitClock()
         self.sessions = SessionShelf()  # the unit sessions of this peer's stages, old and new
+        self._options = ExecutorOptions()  # of its stages' sessions and its copies' alike
         self.copies: dict[int, HeldUnit] = {}  # the movable copies it holds, by unit index
         self.assignment: PlanAssignment | None = None
         self.manifest: Manifest | None = None  # the current plan's
@@ -184,7 +185,7 @@ class Deployment:
         self.loaded = None  # its plane holds the old stage until the new one is live
         executor = await asyncio.to_thread(
             StageExecutor, _at_paths(manifest, paths), self.store.root, stage.first, stage.last,
-            shelf=self.sessions,
+            self._options, self.sessions,
         )
         await self._warm_up(manifest, executor)
         self.loaded = LoadedStage(manifest, stage.first, stage.last, executor)
@@ -206,10 +207,9 @@ class Deployment:
             log.info("holding movable copies of units %s", ", ".join(map(str, stage.copies)))
 
     def _load_copies(self, manifest: Manifest, indices: tuple[int, ...]) -> dict[int, HeldUnit]:
-        options = ExecutorOptions()  # a StageExecutor's, so that a later stage takes them
         units = [manifest.units[i] for i in indices]
         return {u.index: HeldUnit(u, self.sessions.session(
-                    manifest, u, self.store.root / u.model_file.name, options))
+                    manifest, u, self.store.root / u.model_file.name, self._options))
                 for u in units}
 
     async def _warm_up(self, manifest: Manifest, executor: StageExecutor) -> None:
