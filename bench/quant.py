@@ -61,6 +61,7 @@ import numpy as np
 from bench.executor_worker import Worker
 from bench.llama_checkpoint import add_shape_arguments, reusable_llama, shape_from
 from bench.memory import peak_rss
+from bench.rebalance_memory import copies_by_peer
 from bench.shards import onnx_runner, round_robin, shard_cache, shard_units
 from bench.workdir import run_in
 from peerd.commands.chat import stream_answer
@@ -174,7 +175,8 @@ def _clusters(root: Path, model: Path, results: dict[Quant, ShardResult], tokens
         print(f"\npeak RSS of each daemon while answering, against its units + the K/V of a "
               f"{context}-token context (target: <= + {OVERHEAD_TARGET / MB:.0f} MB)")
         for quant, cluster in clusters.items():
-            units, copies = _units_by_peer(cluster), _copies_by_peer(cluster)
+            units = _units_by_peer(cluster)
+            copies = dict(zip(daemons[quant], copies_by_peer(cluster), strict=True))
             for peer, pid in daemons[quant].items():
                 manifest = results[quant].manifest
                 held = [manifest.units[u] for u in units.get(peer, [])]
@@ -214,12 +216,6 @@ def _daemons(cluster: LocalCluster) -> dict[str, int]:
 def _units_by_peer(cluster: LocalCluster) -> dict[str, list[int]]:
     stages = _status(cluster, 0)["plan"]["stages"]
     return {stage["peer"]: stage["units"] for stage in stages}
-
-
-def _copies_by_peer(cluster: LocalCluster) -> dict[str, list[int]]:
-    """The movable copies each peer holds (the overlap plan's, loaded beside its stage)."""
-    statuses = [_status(cluster, i) for i in range(cluster.count)]
-    return {s["self"]: (s.get("deployment") or {}).get("copies", []) for s in statuses}
 
 
 def _span(units: list) -> str:
