@@ -135,17 +135,22 @@ def attend(
     groups: int = 1,
 ) -> torch.Tensor:
     """Softmax attention over [1, heads, *, head_dim]; key/value have heads/groups heads
-    (grouped-query attention). Returns [1, T, heads*head_dim]."""
+    (grouped-query attention). Returns [1, T, heads*head_dim].
+
+    The `groups` query heads that share a key/value head are multiplied with it as one
+    matrix of groups*T rows (the bias repeated to match), instead of repeating the key and
+    value per query head: that repeat copied the layer's whole K/V on every step, and in
+    ONNX Runtime's profile of an int4 decode step it was the costliest operator after the
+    MatMuls. Together with RMSNorm's fused form: int4 decode of the 24-layer hidden-1024
+    model 55.2 -> 62.2 tokens/s, float32 19.5 -> 20.3 (medians of 6 rounds, one process)."""
+    heads, head_dim = query.shape[1], query.shape[3]
+    grouped = query.reshape(1, heads // groups, -1, head_dim)  # rows: (group member, t)
     if groups > 1:
-        key = _repeat_heads(key, groups)
-        value = _repeat_heads(value, groups)
-    scores = torch.matmul(query, key.transpose(2, 3)) * scale + bias
+        bias = bias.repeat(1, 1, groups, 1)
+    scores = torch.matmul(grouped, key.transpose(2, 3)) * scale + bias
     probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, value).transpose(1, 2).flatten(2)
-
-
-def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x[:, :, None].expand(-1, -1, groups, -1, -1).flatten(1, 2)
+    out = torch.matmul(probs, value).reshape(1, heads, -1, head_dim)
+    return out.transpose(1, 2).flatten(2)
 
 
 class RMSNorm(nn.Module):
@@ -155,7 +160,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        # x / sqrt(...) rather than transformers' x * rsqrt(...): ONNX Runtime fuses this
+        # form into one SimplifiedLayerNormalization, the other stays seven operators
+        return self.weight * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
