@@ -108,6 +108,21 @@ def test_exported_attention_equals_the_torch_unit_for_any_lengths(llama, tokens,
         np.testing.assert_allclose(value, want.numpy(), rtol=0, atol=1e-5)
 
 
+def test_attention_neither_repeats_k_v_nor_leaves_its_norm_in_pieces(llama, tmp_path):
+    """What decode speed rests on (shards/arch/common.py): after ONNX Runtime's optimiser,
+    no operator expands the K/V to every query head, and the RMSNorm is one operator."""
+    _, result = llama
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(result.directory / result.manifest.units[1].model_file.name),
+                         options)
+    graph = onnx.load(options.optimized_model_filepath, load_external_data=False).graph
+    ops = [node.op_type for node in graph.node]
+    assert "Expand" not in ops and "Pow" not in ops
+    assert ops.count("SimplifiedLayerNormalization") == 1
+
+
 def test_unit_costs(llama):
     model_dir, result = llama
     config, model = load_model(model_dir)
