@@ -17,7 +17,7 @@ from sharding import reference, sharded
 
 from peerd.commands.generate import build_pipeline, generate
 from planner.io import workload_from_dict
-from shards import cache
+from shards import cache, quantize
 from shards.cache import ShardError, ShardOptions, shard
 from shards.checkpoint import load_model
 from shards.executor import StageExecutor
@@ -293,8 +293,9 @@ def test_int4_units_hold_under_a_sixth_of_the_bytes_and_the_planner_budgets_thos
     model_dir, fp32 = llama
     int4 = sharded(model_dir, Quant.INT4)
     assert int4.manifest.options.quant is Quant.INT4 and int4.manifest.key != fp32.manifest.key
+    ratio = (0.5 + 4 / quantize.BLOCK) / 4
     for small, full in zip(int4.manifest.units, fp32.manifest.units, strict=True):
-        assert 0.156 * full.weight_bytes <= small.weight_bytes <= 0.17 * full.weight_bytes
+        assert ratio <= small.weight_bytes / full.weight_bytes <= ratio + 0.015
         assert small.weight_bytes < small.file_bytes
     total = [sum(u.weight_bytes for u in r.manifest.units) for r in (int4, fp32)]
     assert total[0] <= 0.16 * total[1]

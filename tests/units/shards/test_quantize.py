@@ -1,6 +1,6 @@
 """Quantisation (shards/quantize.py) matches ONNX Runtime's own quantisers: int8 is
 onnxruntime.quantization.quantize_dynamic, int4 is MatMulNBitsQuantizer (symmetric blocks
-of 32, accuracy level 4), to the bit, whatever slices the weights are read in."""
+of quantize.BLOCK, accuracy level 4), to the bit, whatever slices the weights are read in."""
 
 from __future__ import annotations
 
@@ -119,8 +119,9 @@ def test_int4_quantises_gpt2s_gemm_layers_as_matmuls(hf_checkpoint, tmp_path, un
 
 
 def test_int4_layout_is_matmulnbits_blocks(hf_checkpoint, tmp_path):
-    """The head's weight [K, N]: N rows of K/32 blocks of 16 bytes, two values a byte, low
-    nibble first, stored +8; one scale per block, which maps the block's extreme to -8."""
+    """The head's weight [K, N]: N rows of K/BLOCK blocks of BLOCK/2 bytes, two values a
+    byte, low nibble first, stored +8; one scale per block, which maps the block's extreme
+    to -8."""
     staged = _staged(hf_checkpoint, tmp_path, 5)
     weight = next(t for t in onnx.load(str(staged)).graph.initializer if len(t.dims) == 2)
     floats = onnx.numpy_helper.to_array(weight, str(tmp_path))
@@ -130,13 +131,14 @@ def test_int4_layout_is_matmulnbits_blocks(hf_checkpoint, tmp_path):
     tensors = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
     packed, scales = tensors[f"{weight.name}_q4"], tensors[f"{weight.name}_scales"]
     k, n = floats.shape
-    assert packed.shape == (n, k // 32, 16) and scales.shape == (n, k // 32)
-    values = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(n, k // 32, 32)
+    block = quantize.BLOCK
+    assert packed.shape == (n, k // block, block // 2) and scales.shape == (n, k // block)
+    values = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(n, k // block, block)
     restored = ((values.astype(np.float32) - 8) * scales[..., None]).reshape(n, k).T
-    extremes = np.abs(floats.T.reshape(n, -1, 32)).max(-1)
+    extremes = np.abs(floats.T.reshape(n, -1, block)).max(-1)
     np.testing.assert_allclose(np.abs(scales), extremes / 8, rtol=1e-6)
     # half a step, or a whole one for a value near the opposite extreme (7 steps, not 8)
-    error = np.abs(restored - floats).T.reshape(n, -1, 32).max(-1)
+    error = np.abs(restored - floats).T.reshape(n, -1, block).max(-1)
     assert (error <= np.abs(scales) * (1 + 1e-6)).all()
     assert np.median(error / np.abs(scales)) < 0.5
 
