@@ -135,7 +135,8 @@ def attend(
     groups: int = 1,
 ) -> torch.Tensor:
     """Softmax attention over [1, heads, *, head_dim]; key/value have heads/groups heads
-    (grouped-query attention). Returns [1, T, heads*head_dim].
+    (grouped-query attention), and with groups > 1 the bias is one for every head
+    ([1, 1, T, P+T]). Returns [1, T, heads*head_dim].
 
     The `groups` query heads that share a key/value head are multiplied with it as one
     matrix of groups*T rows (the bias repeated to match), instead of repeating the key and
