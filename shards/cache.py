@@ -163,7 +163,13 @@ def _whole(path: Path, size: int) -> bool:
 
 
 def install(staging: Path, out_dir: Path, key: str) -> None:
-    """Move a finished result into place, replacing an older result with another key."""
+    """Move a finished result into place, replacing an older result with another key. Its
+    files are on disk first: a result is reused on its files' sizes, which a power cut
+    could leave right over unwritten data; and only written pages can be handed back once
+    a unit is loaded (shards/heap.py)."""
+    for path in staging.rglob("*"):
+        if path.is_file():
+            _sync(path)
     if (out_dir / MANIFEST_NAME).is_file():
         if reusable(out_dir, key) is not None:
             return  # another process finished the same work first
@@ -172,3 +178,8 @@ def install(staging: Path, out_dir: Path, key: str) -> None:
         out_dir.rmdir()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging.rename(out_dir)
+
+
+def _sync(path: Path) -> None:
+    with path.open("rb") as handle:
+        os.fsync(handle.fileno())

@@ -123,6 +123,44 @@ def test_attention_neither_repeats_k_v_nor_leaves_its_norm_in_pieces(llama, tmp_
     assert ops.count("SimplifiedLayerNormalization") == 1
 
 
+def test_a_loaded_unit_keeps_no_page_of_its_data_file_resident(llama, tmp_path):
+    """ONNX Runtime keeps parts of a unit's data file mapped once it has copied the weights
+    into layouts of its own (int4's scales, the embedding's table): the executor hands the
+    pages read while loading back (shards/heap.py), and a step reads back what it needs."""
+    model_dir, _ = llama
+    int4 = sharded(model_dir, Quant.INT4)
+    directory = shutil.copytree(int4.directory, tmp_path / "copy")  # mapped by this test only
+    data = {os.path.realpath(directory / f.name)
+            for unit in int4.manifest.units for f in unit.files[1:]}
+    for path in data:  # written out: pages not yet on disk cannot be handed back
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+    stage = StageExecutor(int4.manifest, directory, 0, len(int4.manifest.units) - 1)
+    mapped, resident = _mappings_of(data)
+    assert mapped > 0 and resident == 0
+    ids = np.array([[1, 2, 3]])
+    logits = stage.step("s", {"input_ids": ids, "position_ids": np.arange(3)[None]})["logits"]
+    assert np.isfinite(logits).all()
+    assert _mappings_of(data)[1] > 0  # the embedding's rows, read back
+
+
+def _mappings_of(paths: set[str]) -> tuple[int, int]:
+    """Bytes mapped from `paths` in this process, and of those the bytes resident."""
+    mapped = resident = 0
+    current = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split(maxsplit=5)
+            if "-" in fields[0] and len(fields) >= 5:
+                current = len(fields) == 6 and fields[5].strip() in paths
+                if current:
+                    start, end = (int(a, 16) for a in fields[0].split("-"))
+                    mapped += end - start
+            elif current and fields[0] == "Rss:":
+                resident += int(fields[1]) * 1024
+    return mapped, resident
+
+
 def test_unit_costs(llama):
     model_dir, result = llama
     config, model = load_model(model_dir)
