@@ -326,7 +326,7 @@ class SessionShelf:
                 # ONNX Runtime keeps the unit's data file mapped once it has copied the
                 # weights into layouts of its own (int4: the scales MatMulNBits also packed;
                 # the embedding's table, of which a token reads a row), and the pages read
-                # while loading stay resident: 36 of the 283 MB the 24-layer int4 model took
+                # while loading stay resident: 35 of the 283 MB the 24-layer int4 model took
                 heap.page_out(path.parent / f.content_name for f in unit.files[1:])
                 self._held[key] = session
             return session

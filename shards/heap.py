@@ -25,16 +25,18 @@ def page_out(files: Iterable[Path]) -> int:
     """Hand back the resident pages of this process's mappings of `files`, and return the
     bytes of the mappings advised (0 where the system has no /proc/self/maps or no
     MADV_PAGEOUT). Nothing is lost: a page read again is read back from its file."""
-    wanted = {os.path.realpath(f) for f in files}
     advise = _madvise()
+    if advise is None:
+        return 0
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return 0
+    wanted = {os.path.realpath(f) for f in files}
     advised = 0
     for line in maps.splitlines():
         fields = line.split(maxsplit=5)
-        if advise is None or len(fields) < 6 or fields[5] not in wanted:
+        if len(fields) < 6 or fields[5] not in wanted:
             continue
         start, end = (int(address, 16) for address in fields[0].split("-"))
         if advise(start, end - start, MADV_PAGEOUT) == 0:
