@@ -7,7 +7,9 @@
    machine hits both alike; the figures are medians over the rounds. The split's time per
    token is divided into the stages' compute (each stage's own figures for the answer,
    with the prefill step taken out by a one-token answer) and the rest: hops and hand-offs.
-2. Aggregate tokens/s with 1, 2, 4 and 8 sequences in flight at once.
+2. Aggregate tokens/s with 1, 2, 4 and 8 answers in flight at once, over the three daemons
+   and whole in one process, and each against one in flight (targets: x2.5 with 4 and x3.5
+   with 8). Each answer has a prompt of its own length, prefill included in the time.
 3. What direct residual messages save over piggybacking them along the ring: the bytes the
    stages in between would have relayed, and the time per token those relays would cost on
    the measured links (LinguaLinked: 0.011 s residual hop vs 0.25 s relayed).
@@ -40,12 +42,14 @@ from peerd.commands.chat import stream_answer
 from peerd.commands.generate import build_pipeline, generate
 from peerd.commands.local_cluster import LocalCluster
 from peerd.inference.local_pipeline import LocalPipeline
+from peerd.inference.pipeline import Generation, TokenSampler
 from shards.builtin import write_builtin_model
 from shards.manifest import Manifest
 from shards.sampling import SamplingParams
 
 PROMPT = [1, 17, 42, 99, 7, 250, 31, 64]
 TARGET = 0.9
+IN_FLIGHT = {1: None, 2: None, 4: 2.5, 8: 3.5}  # answers at once: target against one
 PEERS = 3
 
 
@@ -72,20 +76,32 @@ def _bench(root: Path, args: argparse.Namespace) -> None:
               f"in {len(cluster.manifest.units)} units")
         print(f"plan: {_plan(cluster)}")
         print(f"load average before: {_load()}")
-        _whole_vs_split(cluster, args.tokens, args.repeats)
-        print(f"\naggregate tokens/s with N sequences in flight (3 daemons), "
-              f"{args.tokens} tokens each")
-        for count in (1, 2, 4, 8):
-            print(f"  N={count}  {_concurrent(cluster.dirs, count, args.tokens):9.1f}")
+        whole = _whole_vs_split(cluster, args.tokens, args.repeats)
+        _in_flight(cluster, whole, args.tokens)
         _residuals(cluster)
         print(f"\nload average after: {_load()}")
 
 
-def _whole_vs_split(cluster: LocalCluster, tokens: int, repeats: int) -> None:
+def _whole_vs_split(cluster: LocalCluster, tokens: int, repeats: int) -> LocalPipeline:
     manifest, head_dir = cluster.manifest, cluster.dirs[0]
     whole = build_pipeline(manifest, head_dir / "shards" / manifest.key, 1)
     _warm_up(whole, manifest, head_dir)
     _print_ratio([_round(whole, manifest, head_dir, tokens) for _ in range(repeats)], tokens)
+    return whole
+
+
+def _in_flight(cluster: LocalCluster, whole: LocalPipeline, tokens: int) -> None:
+    print(f"\naggregate tokens/s with N answers in flight, {tokens} tokens each "
+          f"(x: against N=1)")
+    print("         3 daemons            whole, one process")
+    split_one = whole_one = 0.0
+    for count in IN_FLIGHT:
+        split = _concurrent(cluster.dirs, count, tokens)
+        alone = _whole_concurrent(whole, count, tokens)
+        split_one, whole_one = split_one or split, whole_one or alone
+        target = f"   (target x{IN_FLIGHT[count]})" if IN_FLIGHT[count] else ""
+        print(f"  N={count}  {split:9.1f} x{split / split_one:4.2f}      "
+              f"{alone:9.1f} x{alone / whole_one:4.2f}{target}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -166,11 +182,24 @@ def _print_ratio(rounds: list[Round], tokens: int) -> None:
           + ", ".join(f"{r.whole_tps:.1f}/{r.split_tps:.1f}" for r in rounds))
 
 
+def _prompt(i: int) -> list[int]:
+    return [*PROMPT[: 3 + i % 5], i + 2]
+
+
+def _whole_concurrent(whole: LocalPipeline, count: int, tokens: int) -> float:
+    whole.sampler = TokenSampler()
+    answers = [Generation(f"in-flight-{i}", _prompt(i), tokens, frozenset())
+               for i in range(count)]
+    started = time.perf_counter()
+    whole.generate((answer, SamplingParams()) for answer in answers)
+    return sum(len(a.tokens) for a in answers) / (time.perf_counter() - started)
+
+
 def _concurrent(dirs: list[Path], count: int, tokens: int) -> float:
     produced = []
 
     def ask(i: int) -> None:
-        prompt = [*PROMPT[: 3 + i % 5], i + 2]
+        prompt = _prompt(i)
         done = stream_answer(dirs[i % len(dirs)], {"prompt_ids": prompt, "max_tokens": tokens})
         produced.append(len(done["token_ids"]))
 

@@ -13,7 +13,7 @@ from typing import Any
 from planner.errors import InvalidInput
 from planner.model import Battery, Cluster, Device, Link, Output, Plan, Unit, Workload
 
-MANIFEST_FORMAT = 2
+MANIFEST_FORMAT = 3
 # A manifest output consumed by the request itself (the logits, sampled on the stage that
 # computes them) is no message between stages; its trip back is the manifest's return_bytes.
 MANIFEST_REQUEST = -1

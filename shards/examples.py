@@ -1,10 +1,10 @@
 """Example inputs for each unit, produced by running the units before it.
 
-Export runs every unit on a few cases, each a (new tokens T, cached positions P) pair: three
-small ones whose differences tell which axes of every tensor follow T and which follow P (the
-dynamic axes of the ONNX graph), a 128-token prefill and a one-token decode for measuring
-FLOPs and message sizes. A unit's outputs in each case become the inputs of the units that
-read them, so the whole model never has to run at once.
+Export runs every unit on a few cases, each a (new tokens T, cached positions P, sequences
+B) triple: four small ones whose differences tell which axes of every tensor follow T, P and
+B (the dynamic axes of the ONNX graph), a 128-token prefill and a one-token decode of one
+sequence for measuring FLOPs and message sizes. A unit's outputs in each case become the
+inputs of the units that read them, so the whole model never has to run at once.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from shards.config import ModelConfig
 from shards.segment import REQUEST_INPUTS, UnitGraph
 
-# The traced example avoids T or P of 0 and 1, which torch.export would specialise on.
-EXPORT, MORE_TOKENS, MORE_PAST = "export", "more_tokens", "more_past"
+# The traced example avoids T, P or B of 0 and 1, which torch.export would specialise on.
+EXPORT, MORE_TOKENS, MORE_PAST, MORE_SEQUENCES = "export", "more_tokens", "more_past", "more_seq"
 PREFILL, DECODE = "prefill", "decode"
 PROFILE_CONTEXT = 128
 
@@ -26,14 +26,16 @@ PROFILE_CONTEXT = 128
 class Case:
     tokens: int
     past: int
+    batch: int = 1
 
 
 def cases(config: ModelConfig) -> dict[str, Case]:
     context = min(PROFILE_CONTEXT, config.max_positions // 2)
     return {
-        EXPORT: Case(3, 4),
-        MORE_TOKENS: Case(4, 4),
-        MORE_PAST: Case(3, 5),
+        EXPORT: Case(3, 4, 2),
+        MORE_TOKENS: Case(4, 4, 2),
+        MORE_PAST: Case(3, 5, 2),
+        MORE_SEQUENCES: Case(3, 4, 3),
         PREFILL: Case(context, 0),
         DECODE: Case(1, context),
     }
@@ -52,14 +54,15 @@ class ExampleStore:
             self._values[name].update(self._request(case, generator))
 
     def _request(self, case: Case, generator: torch.Generator) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, self.config.vocab_size, (1, case.tokens), generator=generator)
-        positions = torch.arange(case.past, case.past + case.tokens)[None]
+        shape = (case.batch, case.tokens)
+        ids = torch.randint(0, self.config.vocab_size, shape, generator=generator)
+        positions = torch.arange(case.past, case.past + case.tokens).expand(shape)
         return dict(zip(REQUEST_INPUTS, (ids, positions), strict=True))
 
     def inputs(self, unit: UnitGraph, case: str) -> tuple[torch.Tensor, ...]:
         """The unit's positional inputs for `case` (random K/V of the case's past length)."""
-        past = self.cases[case].past
-        shape = (1, self.config.num_kv_heads, past, self.config.head_dim)
+        past, batch = self.cases[case].past, self.cases[case].batch
+        shape = (batch, self.config.num_kv_heads, past, self.config.head_dim)
         generator = torch.Generator().manual_seed(unit.index)
         states = [torch.randn(shape, generator=generator) for _ in unit.state]
         return (*(self._values[case][name] for name in unit.inputs), *states)
@@ -75,15 +78,20 @@ class ExampleStore:
 
 @dataclass(frozen=True)
 class Axes:
-    """Which axes of a tensor follow the new tokens (T) and the cached positions (P)."""
+    """Which axes of a tensor follow the new tokens (T), the cached positions (P) and the
+    sequences (B)."""
 
     tokens: tuple[int, ...]
     past: tuple[int, ...]
+    batch: tuple[int, ...]
 
 
 def dynamic_axes(shapes: dict[str, torch.Size]) -> Axes:
-    """Compare one tensor's shape across the EXPORT, MORE_TOKENS and MORE_PAST cases."""
+    """Compare one tensor's shape across the EXPORT case and the three that differ from it
+    in one size."""
     base = shapes[EXPORT]
-    tokens = tuple(a for a, d in enumerate(base) if shapes[MORE_TOKENS][a] != d)
-    past = tuple(a for a, d in enumerate(base) if shapes[MORE_PAST][a] != d)
-    return Axes(tokens, past)
+
+    def following(case: str) -> tuple[int, ...]:
+        return tuple(a for a, d in enumerate(base) if shapes[case][a] != d)
+
+    return Axes(following(MORE_TOKENS), following(MORE_PAST), following(MORE_SEQUENCES))

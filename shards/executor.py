@@ -3,8 +3,16 @@
 One `StageExecutor` holds the ONNX Runtime sessions of units [first, last] and, per sequence,
 the K/V state of those units. `step(seq_id, inputs)` runs one forward pass of one sequence
 (a prefill of T tokens or a decode of one) and returns the tensors other stages (or the
-sampler) consume. State never leaves the executor except through `export_state`, which
-rebalancing uses to move a unit together with its K/V.
+sampler) consume; `step_many` runs the passes of several sequences, those with the same
+number of new tokens as one batch: decoding is bound by reading the weights, and a batch
+reads them once for all its sequences. State never leaves the executor except through
+`export_state`, which rebalancing uses to move a unit together with its K/V.
+
+A batch's K/V is each sequence's left-padded to the longest (shards/arch/common.py), and it
+stays batched after the step: when the same sequences run together again, as they do step
+after step while the same answers are in flight, their K/V goes in as it came out. Only
+when the batch changes are its sequences' K/V taken apart (`_Batch.split`) and gathered
+anew, once per change rather than twice per step.
 
 Values that stay inside the stage (the hidden state between units, the K/V state between
 steps) are kept as ONNX Runtime's native `OrtValue`s and passed to the next run as they are,
@@ -29,7 +37,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -44,6 +52,7 @@ from shards.manifest import Manifest, StateSpec, Unit
 native: Any = importlib.import_module("onnxruntime.capi._pybind_state")
 NativeValue = Any  # a native.OrtValue
 Value = np.ndarray | NativeValue
+Outcome = dict[str, np.ndarray] | Exception  # a step's outputs, or why it failed
 _CPU = native.OrtDevice(native.OrtDevice.cpu(), native.OrtDevice.default_memory(), 0)
 _RUN_OPTIONS = native.RunOptions()
 WARM_UP_RUNS = 5
@@ -121,7 +130,8 @@ class StageExecutor:
             for u in self.units
         ]
         self._runs = [_NativeRun(session) for session in self._sessions]
-        self._state: dict[str, dict[str, NativeValue]] = {}
+        self._state: dict[str, dict[str, NativeValue]] = {}  # sequences held on their own
+        self._batches: dict[str, _Batch] = {}  # sequences held in the batch they last ran in
         self._lock = threading.Lock()
 
     # -- running ---------------------------------------------------------------------------
@@ -133,34 +143,140 @@ class StageExecutor:
         unit wants float32 (activations sent in half precision). Given `unit_s`, the seconds
         each unit took are written into it, by unit index.
         """
-        missing = [name for name in self.inputs if name not in inputs]
-        if missing:
-            raise ValueError(f"stage {self.first}-{self.last}: missing inputs {missing}")
+        self._check_inputs(inputs)
         with self._lock:
-            state = self._state.get(seq_id) or self._empty_state()
+            state = self._alone(seq_id)
         values: dict[str, Value] = {
             name: _as_dtype(inputs[name], self._dtypes[name]) for name in self.inputs
         }
+        new_state = self._run_units(values, state, unit_s)
+        with self._lock:
+            self._state[seq_id] = new_state
+        return {name: _numpy(values[name]) for name in self.outputs}
+
+    def step_many(self, steps: Sequence[tuple[str, dict[str, np.ndarray]]],
+                  unit_s: dict[int, float] | None = None) -> list[Outcome]:
+        """One forward pass of each (seq_id, inputs) in `steps`: the outputs in the same
+        order, or in a failed step's place the exception it raised. Sequences whose inputs
+        have the same shapes (the same number of new tokens) run as one batch; a batch that
+        fails is run again one sequence at a time (its K/V was not touched), so that one bad
+        step fails alone. Given `unit_s`, the seconds each unit took, all batches together,
+        are written into it."""
+        results: list[Outcome] = [{} for _ in steps]
+        batches: dict[tuple, list[int]] = {}
+        seen: set[str] = set()
+        for index, (seq_id, inputs) in enumerate(steps):
+            try:
+                if seq_id in seen:
+                    raise ValueError(f"{seq_id} has a step earlier in this batch")
+                seen.add(seq_id)
+                batches.setdefault(self._shapes(inputs), []).append(index)
+            except ValueError as exc:
+                results[index] = exc
+        timings: dict[int, float] = {}
+        for indices in batches.values():
+            for index, outcome in zip(indices, self._outcomes([steps[i] for i in indices],
+                                                              timings), strict=True):
+                results[index] = outcome
+            if unit_s is not None:
+                for unit, seconds in timings.items():
+                    unit_s[unit] = unit_s.get(unit, 0.0) + seconds
+        return results
+
+    def _outcomes(self, steps: list[tuple[str, dict[str, np.ndarray]]],
+                  unit_s: dict[int, float]) -> list[Outcome]:
+        if len(steps) > 1:
+            try:
+                return list(self._step_batch(steps, unit_s))
+            except Exception:  # ONNX Runtime's errors derive from Exception alone
+                pass
+        outcomes: list[Outcome] = []
+        for seq_id, inputs in steps:
+            try:
+                outcomes.append(self.step(seq_id, inputs, unit_s))
+            except Exception as exc:  # as above
+                outcomes.append(exc)
+        return outcomes
+
+    def _shapes(self, inputs: dict[str, np.ndarray]) -> tuple:
+        """What decides which steps can share a batch: each input's shape past the batch
+        axis."""
+        self._check_inputs(inputs)
+        return tuple(np.shape(inputs[name])[1:] for name in self.inputs)
+
+    def _step_batch(self, steps: list[tuple[str, dict[str, np.ndarray]]],
+                    unit_s: dict[int, float]) -> list[dict[str, np.ndarray]]:
+        seq_ids = tuple(seq_id for seq_id, _ in steps)
+        with self._lock:
+            state, pads = self._batched_state(seq_ids)
+        values: dict[str, Value] = {
+            name: np.concatenate([_as_dtype(inputs[name], self._dtypes[name])
+                                  for _, inputs in steps])
+            for name in self.inputs
+        }
+        new_state = self._run_units(values, state, unit_s)
+        with self._lock:
+            batch = _Batch(seq_ids, pads, new_state, self._state_specs())
+            for seq_id in seq_ids:
+                self._state.pop(seq_id, None)
+                self._batches[seq_id] = batch
+        outputs = {name: _numpy(values[name]) for name in self.outputs}
+        return [{name: out[b : b + 1] for name, out in outputs.items()}
+                for b in range(len(steps))]
+
+    def _batched_state(self, seq_ids: tuple[str, ...]) -> tuple[dict[str, Value], list[int]]:
+        """The K/V of `seq_ids` as one batch, and each one's padding: as the last step left
+        it when it ran the same sequences, else gathered from each sequence's own."""
+        held = {id(self._batches.get(seq_id)) for seq_id in seq_ids}
+        batch = self._batches.get(seq_ids[0])
+        if len(held) == 1 and batch is not None and batch.seq_ids == seq_ids:
+            return batch.state, list(batch.pads)
+        states = [self._alone(seq_id) for seq_id in seq_ids]
+        specs = self._state_specs()
+        if not specs:
+            return {}, [0] * len(seq_ids)
+        lengths = [_length(state[specs[0].input], specs[0].seq_axis) for state in states]
+        longest = max(lengths)
+        gathered = {spec.input: _left_padded([state[spec.input] for state in states], spec,
+                                             longest)
+                    for spec in specs}
+        return gathered, [longest - length for length in lengths]
+
+    def _alone(self, seq_id: str) -> dict[str, NativeValue]:
+        """The sequence's K/V held on its own (taking its batch apart first); call with the
+        lock held."""
+        batch = self._batches.get(seq_id)
+        if batch is not None:
+            for member, state in batch.split(self._batches):
+                del self._batches[member]
+                self._state[member] = state
+        return self._state.get(seq_id) or self._empty_state()
+
+    def _check_inputs(self, inputs: dict[str, np.ndarray]) -> None:
+        missing = [name for name in self.inputs if name not in inputs]
+        if missing:
+            raise ValueError(f"stage {self.first}-{self.last}: missing inputs {missing}")
+
+    def _run_units(self, values: dict[str, Value], state: dict[str, Value],
+                   unit_s: dict[int, float] | None) -> dict[str, NativeValue]:
         new_state: dict[str, NativeValue] = {}
         for unit, run in zip(self.units, self._runs, strict=True):
             started = time.perf_counter()
             self._run_unit(unit, run, values, state, new_state)
             if unit_s is not None:
                 unit_s[unit.index] = time.perf_counter() - started
-        with self._lock:
-            self._state[seq_id] = new_state
-        return {name: _numpy(values[name]) for name in self.outputs}
+        return new_state
 
     def _run_unit(
         self,
         unit: Unit,
         run: _NativeRun,
         values: dict[str, Value],
-        state: dict[str, NativeValue],
+        state: dict[str, Value],
         new_state: dict[str, NativeValue],
     ) -> None:
         feeds = {inp.name: _native(values[inp.name]) for inp in unit.inputs}
-        feeds.update((spec.input, state[spec.input]) for spec in unit.state)
+        feeds.update((spec.input, _native(state[spec.input])) for spec in unit.state)
         produced = run(feeds)
         for spec in unit.state:
             new_state[spec.input] = produced.pop(spec.output)
@@ -194,14 +310,16 @@ class StageExecutor:
                 for name in self.inputs}
 
     def drop(self, seq_id: str) -> None:
-        """Forget a sequence and free its K/V (unknown ids are ignored)."""
+        """Forget a sequence and free its K/V (unknown ids are ignored). A batch's K/V is
+        freed once none of its sequences is held in it any more."""
         with self._lock:
             self._state.pop(seq_id, None)
+            self._batches.pop(seq_id, None)
 
     # -- accounting ------------------------------------------------------------------------
     @property
     def sequence_count(self) -> int:
-        return len(self._state)
+        return len(self._state) + len(self._batches)
 
     @property
     def weight_bytes(self) -> int:
@@ -211,7 +329,9 @@ class StageExecutor:
     def kv_bytes(self) -> int:
         """Bytes of K/V held for all sequences."""
         with self._lock:
-            return sum(_nbytes(v) for seq in self._state.values() for v in seq.values())
+            batches = {id(batch): batch for batch in self._batches.values()}.values()
+            held = [*self._state.values(), *(batch.state for batch in batches)]
+            return sum(_nbytes(v) for state in held for v in state.values())
 
     def session(self, unit_index: int) -> ort.InferenceSession:
         """The ONNX Runtime session that runs one of its units."""
@@ -222,10 +342,10 @@ class StageExecutor:
         """Copies of the K/V one unit holds for `seq_id`, keyed by state input name."""
         unit = self._unit(unit_index)
         with self._lock:
-            state = self._state.get(seq_id)
-        if state is None:
-            raise KeyError(f"unknown sequence {seq_id!r}")
-        return {spec.input: state[spec.input].numpy() for spec in unit.state}
+            if seq_id not in self._state and seq_id not in self._batches:
+                raise KeyError(f"unknown sequence {seq_id!r}")
+            state = self._alone(seq_id)
+        return {spec.input: np.array(_numpy(state[spec.input])) for spec in unit.state}
 
     def import_state(self, seq_id: str, unit_index: int, tensors: dict[str, np.ndarray]) -> None:
         """Install one unit's K/V for `seq_id` (as produced by `export_state` elsewhere)."""
@@ -233,7 +353,7 @@ class StageExecutor:
         for spec in unit.state:
             _check_state(spec, tensors.get(spec.input))
         with self._lock:
-            state = self._state.setdefault(seq_id, self._empty_state())
+            state = self._state[seq_id] = self._alone(seq_id)
             for spec in unit.state:
                 state[spec.input] = _owned(tensors[spec.input], spec.dtype)
 
@@ -330,6 +450,50 @@ class SessionShelf:
                 heap.page_out(path.parent / f.content_name for f in unit.files[1:])
                 self._held[key] = session
             return session
+
+
+@dataclass
+class _Batch:
+    """The K/V of sequences that last ran as one batch: [B, ..., P, ...] per state input,
+    sequence b's own positions after pads[b] of padding."""
+
+    seq_ids: tuple[str, ...]
+    pads: list[int]
+    state: dict[str, NativeValue]
+    specs: list[StateSpec]
+
+    def split(self, held: dict[str, _Batch]) -> list[tuple[str, dict[str, NativeValue]]]:
+        """Each sequence still `held` in this batch, with its K/V on its own."""
+        members = [(b, seq_id) for b, seq_id in enumerate(self.seq_ids) if held.get(seq_id) is self]
+        arrays = {spec.input: _numpy(self.state[spec.input]) for spec in self.specs}
+        return [(seq_id, {spec.input: _owned(_unpadded(arrays[spec.input], b, self.pads[b],
+                                                       spec.seq_axis), spec.dtype)
+                          for spec in self.specs})
+                for b, seq_id in members]
+
+
+def _unpadded(batched: np.ndarray, row: int, pad: int, seq_axis: int) -> np.ndarray:
+    index: list[slice] = [slice(None)] * batched.ndim
+    index[0], index[seq_axis] = slice(row, row + 1), slice(pad, None)
+    return batched[tuple(index)]
+
+
+def _left_padded(states: list[Value], spec: StateSpec, longest: int) -> np.ndarray:
+    """One batch of the sequences' K/V, each left-padded with zeros to `longest`."""
+    shape = list(spec.shape)
+    shape[0], shape[spec.seq_axis] = len(states), longest
+    batch = np.zeros(shape, spec.dtype)
+    for row, state in enumerate(states):
+        own = _numpy(state)
+        index: list[slice | int] = [slice(None)] * len(shape)
+        index[0] = row
+        index[spec.seq_axis] = slice(longest - own.shape[spec.seq_axis], longest)
+        batch[tuple(index)] = own[0]
+    return batch
+
+
+def _length(value: Value, axis: int) -> int:
+    return int(value.shape[axis]) if isinstance(value, np.ndarray) else int(value.shape()[axis])
 
 
 class HeldUnit(NamedTuple):

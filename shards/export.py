@@ -302,7 +302,7 @@ def _to_onnx(module: torch.nn.Module, unit: UnitGraph, runs: dict, directory: Pa
         examples.dynamic_axes({case: runs[case][0][i].shape for case in runs})
         for i in range(len(unit.input_names))
     ]
-    dims = {"T": Dim("T", min=1), "P": Dim("P", min=0)}
+    dims = {"T": Dim("T", min=1), "P": Dim("P", min=0), "B": Dim("B", min=1)}
     names = tuple(_axis_names(a, name) for a, name in zip(axes, unit.input_names, strict=True))
     args, _ = runs[examples.EXPORT]
     with _quiet():
@@ -322,10 +322,11 @@ def _to_onnx(module: torch.nn.Module, unit: UnitGraph, runs: dict, directory: Pa
 
 
 def _axis_names(axes: examples.Axes, name: str) -> dict[int, str]:
-    """{axis: "T" or "P"} for one input."""
-    if set(axes.tokens) & set(axes.past):
-        raise ShardError(f"input {name} has an axis that follows both tokens and past")
-    return {**dict.fromkeys(axes.tokens, "T"), **dict.fromkeys(axes.past, "P")}
+    """{axis: "T", "P" or "B"} for one input."""
+    named = {"T": axes.tokens, "P": axes.past, "B": axes.batch}
+    if len({a for found in named.values() for a in found}) < sum(map(len, named.values())):
+        raise ShardError(f"input {name} has an axis that follows two of tokens, past, batch")
+    return {axis: dim for dim, found in named.items() for axis in found}
 
 
 @functools.cache

@@ -15,7 +15,7 @@ from enum import StrEnum
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-FORMAT = 2
+FORMAT = 3
 MANIFEST_NAME = "manifest.json"
 REQUEST = -1
 GRANULARITIES = ("half", "layer")  # units are layer halves (attn, mlp) or whole layers

@@ -131,10 +131,10 @@ def _embed(model: ToyModel) -> onnx.GraphProto:
     return helper.make_graph(
         nodes,
         "embed",
-        [_io("input_ids", TensorProto.INT64, [1, "T"]),
-         _io("position_ids", TensorProto.INT64, [1, "T"])],
-        [_io("hidden0", TensorProto.FLOAT, [1, "T", HIDDEN]),
-         _io("bias", TensorProto.FLOAT, [1, "T", 1])],
+        [_io("input_ids", TensorProto.INT64, ["B", "T"]),
+         _io("position_ids", TensorProto.INT64, ["B", "T"])],
+        [_io("hidden0", TensorProto.FLOAT, ["B", "T", HIDDEN]),
+         _io("bias", TensorProto.FLOAT, ["B", "T", 1])],
         [numpy_helper.from_array(model.table, "table"),
          numpy_helper.from_array(np.array([-1], np.int64), "last")],
     )
@@ -155,11 +155,11 @@ def _acc() -> onnx.GraphProto:
     return helper.make_graph(
         nodes,
         "acc",
-        [_io("hidden0", TensorProto.FLOAT, [1, "T", HIDDEN]),
-         _io("bias", TensorProto.FLOAT, [1, "T", 1]),
-         _io("past_s", TensorProto.FLOAT, [1, 1, "P", HIDDEN])],
-        [_io("hidden1", TensorProto.FLOAT, [1, "T", HIDDEN]),
-         _io("present_s", TensorProto.FLOAT, [1, 1, "S", HIDDEN])],
+        [_io("hidden0", TensorProto.FLOAT, ["B", "T", HIDDEN]),
+         _io("bias", TensorProto.FLOAT, ["B", "T", 1]),
+         _io("past_s", TensorProto.FLOAT, ["B", 1, "P", HIDDEN])],
+        [_io("hidden1", TensorProto.FLOAT, ["B", "T", HIDDEN]),
+         _io("present_s", TensorProto.FLOAT, ["B", 1, "S", HIDDEN])],
         [numpy_helper.from_array(np.array([1], np.int64), "one"),
          numpy_helper.from_array(np.array([2], np.int64), "axis2"),
          numpy_helper.from_array(np.array(2, np.int64), "axis2_scalar")],
@@ -174,8 +174,8 @@ def _head(model: ToyModel) -> onnx.GraphProto:
     return helper.make_graph(
         nodes,
         "head",
-        [_io("hidden1", TensorProto.FLOAT, [1, "T", HIDDEN]),
-         _io("bias", TensorProto.FLOAT, [1, "T", 1])],
-        [_io("logits", TensorProto.FLOAT, [1, "T", VOCAB])],
+        [_io("hidden1", TensorProto.FLOAT, ["B", "T", HIDDEN]),
+         _io("bias", TensorProto.FLOAT, ["B", "T", 1])],
+        [_io("logits", TensorProto.FLOAT, ["B", "T", VOCAB])],
         [numpy_helper.from_array(model.proj, "proj")],
     )

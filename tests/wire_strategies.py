@@ -102,6 +102,7 @@ RULED: dict[str, dict[str, Any]] = {
                    "tensors": {"data": np.arange(10, dtype=np.uint8)}},
     "bandwidth": {"tensors": {"payload": np.zeros(64, np.uint8)}},
     "seq-move": {"holders": ("a", "b")},
+    "seq-fork": {"source": "s0", "seq_id": "s1"},
     "seq-state": {"units": (1,), "tensors": {"past_s": np.ones((1, 1, 2, 4), np.float32)}},
     "stage": {"tensors": {"hidden": np.ones((1, 3, 4), np.float32),
                           "position_ids": np.arange(3, dtype=np.int64)[None]}},

@@ -19,8 +19,19 @@ the answer had not run a step yet) the answer gets `PlaneClosed` and re-prefills
 plane (peerd/inference/answers.py). A retired plane frees every sequence's K/V it held.
 
 Units run on one compute thread per plane, so the event loop keeps serving heartbeats and
-messages of other sequences while a step runs. Everything else happens on the event loop; a
-step that finishes after its sequence ended has its fresh K/V dropped at once.
+messages of other sequences while a step runs. Answers in flight at once share each pass
+over a stage's weights (decoding on a CPU is bound by reading them, so a batch of 4 steps
+costs little more than one):
+- The steps whose inputs arrive while the thread is busy wait for it together and run as
+  one batch (continuous batching: nothing waits for a straggler).
+- The head runs its answers' next steps as one wave: an answer whose token came back
+  waits for the others of the wave still in flight, a step at most. Without it answers
+  that started apart stay apart, each stage running one at a time: 4 answers over three
+  daemons on the 2-core development machine ran 256 steps in 218 batches.
+- A stage's messages name the batch they ran in (`StageData.batch`), and the next stage
+  runs that batch's steps once they have all come, rather than the first to arrive alone.
+Everything else happens on the event loop; a step that finishes after its sequence ended
+has its fresh K/V dropped at once.
 """
 
 from __future__ import annotations
@@ -70,6 +81,9 @@ log = logging.getLogger("peerd.inference.dataplane")
 # Sequences that ended recently: late messages for them are ignored rather than reviving K/V.
 _ENDED_MEMORY = 4096
 STATS_TIMEOUT_S = 2.0
+# A batch's steps arrive within a fraction of a millisecond of each other; one that never
+# comes (its sequence ended at the sender) holds the others no longer than this
+GATHER_S = 0.05
 
 
 # Called with each new token of an answer; returning True ends the answer after it (its text
@@ -115,6 +129,25 @@ class _Running:
     active_at: float
     paused: bool = False  # stopped at a token boundary, to move to the handover plane
     last_token_at: float | None = None  # on this plane
+
+
+@dataclass
+class _Gathering:
+    """The steps of one batch of another stage that have arrived, waiting for the rest."""
+
+    size: int
+    steps: list[tuple[str, int, dict, float]]  # (seq_id, step, inputs, ready_at)
+    timer: asyncio.TimerHandle
+
+
+@dataclass
+class _Ready:
+    """A step whose inputs are all here, waiting for the compute thread."""
+
+    seq_id: str
+    step: int
+    inputs: dict
+    done: asyncio.Future[StepDone]
 
 
 @dataclass
@@ -174,6 +207,11 @@ class DataPlane:
         self._handover: DataPlane | None = None  # the head's plane answers move to
         self._quiet = asyncio.Event()  # set whenever an answer or a sequence ends here
         self._computing: set[str] = set()  # sequences with a step on the compute thread
+        self._ready: list[_Ready] = []  # steps waiting for the compute thread
+        self._computes = False  # a task is running the ready steps
+        self._gathering: dict[tuple[int, str], _Gathering] = {}  # by (source stage, batch)
+        self._wave: list[_Running] = []  # the head's answers waiting to step together
+        self._in_flight: set[str] = set()  # the head's answers with a step under way
 
     @property
     def is_head(self) -> bool:
@@ -217,6 +255,7 @@ class DataPlane:
             return await self._costs_of(seq_id)
         finally:
             self._running.pop(seq_id, None)
+            self._landed(seq_id)
             self._end(seq_id)
             self._quiet.set()
 
@@ -251,17 +290,38 @@ class DataPlane:
             running.paused = True
             running.done.set_result(None)
             return
-        step, inputs = running.generation.step_inputs()
-        # a decode step is under way from its token's arrival: streaming it counts
-        ready_at = running.last_token_at
-        self._spawn(self._run(running.generation.seq_id, step, inputs,
-                              time.monotonic() if ready_at is None else ready_at))
+        self._wave.append(running)
+        self._start_wave()
+
+    def _start_wave(self) -> None:
+        """Run the waiting answers' next steps, once no answer of the last wave is still
+        in flight."""
+        if self._in_flight:
+            return
+        wave, self._wave = self._wave, []
+        for running in wave:
+            if running.done.done():
+                continue
+            step, inputs = running.generation.step_inputs()
+            seq_id = running.generation.seq_id
+            self._in_flight.add(seq_id)
+            # a decode step is under way from its token's arrival: streaming it counts
+            ready_at = running.last_token_at
+            self._spawn(self._run(seq_id, step, inputs,
+                                  time.monotonic() if ready_at is None else ready_at))
+
+    def _landed(self, seq_id: str) -> None:
+        """The answer's step is no longer under way: its token came, or it ended."""
+        self._in_flight.discard(seq_id)
+        self._wave = [r for r in self._wave if r.generation.seq_id != seq_id]
+        self._start_wave()
 
     def _on_token(self, seq_id: str, step: int, token: int,
                   logprobs: TokenLogprobs | None) -> None:
         running = self._running.get(seq_id)
         if running is None or running.done.done():
             return  # cancelled or retired meanwhile
+        self._in_flight.discard(seq_id)
         generation = running.generation
         try:
             finished = generation.record(step, token)
@@ -276,6 +336,7 @@ class DataPlane:
             generation.stopped = finished = True
         if finished:
             running.done.set_result(None)
+            self._start_wave()
         else:
             self._next_step(running)
 
@@ -444,16 +505,37 @@ class DataPlane:
             log.warning("dropped stage data: %s", exc)
             self._spawn(self._report_failure(message.seq_id, str(exc)))
             return
-        if inputs is not None:
-            self._spawn(self._run(message.seq_id, message.step, inputs, time.monotonic()))
+        if inputs is None:
+            return
+        step = (message.seq_id, message.step, inputs, time.monotonic())
+        if message.batch_size == 1:
+            self._spawn(self._run(*step))
+            return
+        key = (source, message.batch)
+        gathering = self._gathering.get(key)
+        if gathering is None:
+            timer = asyncio.get_running_loop().call_later(GATHER_S, self._gathered, key)
+            gathering = self._gathering[key] = _Gathering(message.batch_size, [], timer)
+        gathering.steps.append(step)
+        if len(gathering.steps) >= gathering.size:
+            self._gathered(key)
+
+    def _gathered(self, key: tuple[int, str]) -> None:
+        """Run a batch's steps that have come (all of them, or those there at the deadline):
+        started in one go, they reach the compute thread together."""
+        gathering = self._gathering.pop(key, None)
+        if gathering is None or self.closed:
+            return
+        gathering.timer.cancel()
+        for step in gathering.steps:
+            self._spawn(self._run(*step))
 
     async def _run(self, seq_id: str, step: int, inputs: dict, ready_at: float) -> None:
         """Run a step whose inputs were all here at `ready_at` (monotonic seconds)."""
-        loop = asyncio.get_running_loop()
         self._live.add(seq_id)
         self._computing.add(seq_id)
         try:
-            done = await loop.run_in_executor(self._compute, self.worker.run, seq_id, step, inputs)
+            done = await self._computed(seq_id, step, inputs)
         except Exception as exc:  # ONNX Runtime's errors derive from Exception alone
             await self._report_failure(seq_id, f"stage {self.stage}, step {step}: {exc}")
             return
@@ -485,6 +567,33 @@ class DataPlane:
         if step > 0:  # the planner prices decode steps; step 0 is the prefill
             outside = time.monotonic() - ready_at - sum(done.unit_s.values())
             self.unit_clock.record(self.model, done.unit_s, outside)
+
+    async def _computed(self, seq_id: str, step: int, inputs: dict) -> StepDone:
+        """The step, run on the compute thread together with every other step ready when
+        the thread takes it."""
+        ready = _Ready(seq_id, step, inputs, asyncio.get_running_loop().create_future())
+        self._ready.append(ready)
+        if not self._computes:
+            self._computes = True
+            self._spawn(self._compute_ready())
+        return await ready.done
+
+    async def _compute_ready(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._ready:
+                batch, self._ready = self._ready, []
+                steps = [(ready.seq_id, ready.step, ready.inputs) for ready in batch]
+                outcomes = await loop.run_in_executor(self._compute, self.worker.run_many, steps)
+                for ready, outcome in zip(batch, outcomes, strict=True):
+                    if ready.done.done():
+                        continue
+                    if isinstance(outcome, Exception):
+                        ready.done.set_exception(outcome)
+                    else:
+                        ready.done.set_result(outcome)
+        finally:
+            self._computes = False
 
     async def _emit_token(self, seq_id: str, step: int, token: int,
                           logprobs: TokenLogprobs | None) -> None:
@@ -551,6 +660,9 @@ class DataPlane:
         # a step cancelled below still finishes on the compute thread and stores K/V, even
         # for a sequence already dropped: drop those again once the thread is done
         computing = set(self._computing)
+        for gathering in self._gathering.values():
+            gathering.timer.cancel()
+        self._gathering.clear()
         for running in self._running.values():
             if not running.done.done():
                 running.done.set_exception(PlaneClosed())

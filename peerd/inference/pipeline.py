@@ -14,6 +14,7 @@ different sequences interleave freely while those of one sequence never race.
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +26,14 @@ from shards.executor import StageExecutor
 from shards.sampling import Ranked, Sampler, SamplingParams, token_logprobs
 
 Tensors = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The steps a stage ran together, as its messages name them (StageData.batch)."""
+
+    name: str = ""
+    size: int = 1
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,7 @@ class StageCounters:
     received per tensor name (which shows that residuals reach only their consumers)."""
 
     steps: int = 0
+    batches: int = 0  # runs of the units: one per batch of steps run together
     compute_s: float = 0.0
     sequential_bytes: int = 0
     residual_bytes: int = 0
@@ -54,10 +64,10 @@ class StepDone:
     step: int
     outgoing: list[Outgoing]
     logits: np.ndarray | None  # on the stage that computes them, for the sampler
-    compute_s: float  # running the units
+    compute_s: float  # this step's share of running the units (a batch's time / its steps)
     sequential_bytes: int  # sent to the next stage
     residual_bytes: int  # sent to later stages
-    unit_s: dict[int, float] = field(default_factory=dict)  # seconds of each unit, by index
+    unit_s: dict[int, float] = field(default_factory=dict)  # each unit's seconds, its batch's
 
 
 class StageWorker:
@@ -102,16 +112,35 @@ class StageWorker:
 
     def run(self, seq_id: str, step: int, inputs: Tensors) -> StepDone:
         """Run the stage's units on complete inputs and build the messages to send."""
+        done = self.run_many([(seq_id, step, inputs)])[0]
+        if isinstance(done, Exception):
+            raise done
+        return done
+
+    def run_many(self, steps: list[tuple[str, int, Tensors]]) -> list[StepDone | Exception]:
+        """Run the steps of several sequences at once (one batch per number of new tokens,
+        StageExecutor.step_many) and build each one's messages; a step that failed has its
+        exception in its place."""
         started = time.perf_counter()
         unit_s: dict[int, float] = {}
-        outputs = self.executor.step(seq_id, {n: inputs[n] for n in self.executor.inputs},
-                                     unit_s)
-        seconds = time.perf_counter() - started
-        if step == 0:
+        wanted = self.executor.inputs
+        outputs = self.executor.step_many(
+            [(seq_id, {n: inputs[n] for n in wanted}) for seq_id, _, inputs in steps], unit_s)
+        share = (time.perf_counter() - started) / len(steps)
+        if any(step == 0 for _, step, _ in steps):
             heap.trim()  # a prefill's activations: freed, but resident until handed back
-        available = {**inputs, **outputs}
-        outgoing = [self._message(seq_id, step, route, available) for route in self.routes.sends]
-        logits = outputs[self.routes.returns[0]] if self.routes.returns else None
+        self.counters.batches += 1
+        ran = sum(not isinstance(produced, Exception) for produced in outputs)
+        batch = Batch(uuid.uuid4().hex[:16], ran) if ran > 1 else Batch()
+        return [produced if isinstance(produced, Exception) else
+                self._done(seq_id, step, {**inputs, **produced}, share, unit_s, batch)
+                for (seq_id, step, inputs), produced in zip(steps, outputs, strict=True)]
+
+    def _done(self, seq_id: str, step: int, available: Tensors, seconds: float,
+              unit_s: dict[int, float], batch: Batch) -> StepDone:
+        outgoing = [self._message(seq_id, step, route, available, batch)
+                    for route in self.routes.sends]
+        logits = available[self.routes.returns[0]] if self.routes.returns else None
         sequential = sum(o.nbytes for o in outgoing if o.target == self.stage + 1)
         done = StepDone(self.stage, seq_id, step, outgoing, logits, seconds, sequential,
                         sum(o.nbytes for o in outgoing) - sequential, unit_s)
@@ -135,9 +164,10 @@ class StageWorker:
         for key in [k for k in self._pending if k[0] == seq_id]:
             del self._pending[key]
 
-    def _message(self, seq_id: str, step: int, route: Route, available: Tensors) -> Outgoing:
+    def _message(self, seq_id: str, step: int, route: Route, available: Tensors,
+                 batch: Batch) -> Outgoing:
         tensors = {name: self._wire(available[name]) for name in route.names}
-        message = StageData(plan=self.plan, seq_id=seq_id, step=step, tensors=tensors)
+        message = StageData(self.plan, seq_id, step, tensors, batch.name, batch.size)
         return Outgoing(route.target, message, sum(t.nbytes for t in tensors.values()))
 
     def _wire(self, array: np.ndarray) -> np.ndarray:

@@ -31,10 +31,12 @@ import numpy as np
 
 from peerd.wire.states import OFFERED_MODEL_STATES, REPORTED_DEPLOY_STATES, ModelState
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 MAX_HEADER_BYTES = 1024 * 1024
 MAX_TENSORS = 4096
+MAX_BATCH = 256  # steps of one batch (StageData.batch_size)
+MAX_BATCH_NAME = 64
 MAX_RANK = 8
 
 MAX_PROBE_BYTES = 64 * 1024 * 1024
@@ -129,7 +131,10 @@ class StageData:
     (0 is the prefill), so a receiver can pair residuals with the sequential input of the same
     step. ``plan`` names the plan the sender runs it under (``plan_key``): during a plan
     change both plans serve at once, and a message of a retired plan must not start a
-    sequence on the new one.
+    sequence on the new one. ``batch`` names the batch of steps the sender ran this one in
+    and ``batch_size`` counts the steps of that batch it sends to this receiver, so the
+    receiver runs them as one batch too rather than the first to arrive alone ("" and 1: a
+    step that ran alone).
     """
 
     KIND: ClassVar[str]
@@ -138,6 +143,12 @@ class StageData:
     seq_id: str
     step: int
     tensors: Tensors
+    batch: str = ""
+    batch_size: int = 1
+
+    def __post_init__(self):
+        _require(1 <= self.batch_size <= MAX_BATCH, f"stage: batch_size outside 1..{MAX_BATCH}")
+        _require(len(self.batch) <= MAX_BATCH_NAME, "stage: batch name too long")
 
 
 @message("seq-open", channel=DATA)
@@ -258,6 +269,35 @@ class SequenceState(Asks["SequenceMoved"]):
 @message("seq-moved", channel=DATA)
 @dataclasses.dataclass(frozen=True)
 class SequenceMoved:
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    error: str | None = None
+
+
+@message("seq-fork", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceFork(Asks["SequenceForked"]):
+    """The head starts sequence ``seq_id`` from the first ``length`` positions of the K/V
+    the stage keeps for ``source`` (an ended answer of the same conversation); answered by
+    ``SequenceForked`` before the sequence's first step."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    plan: str
+    source: str
+    seq_id: str
+    length: int
+
+    def __post_init__(self):
+        _require(self.length > 0, "seq-fork: length must be positive")
+        _require(self.source != self.seq_id, "seq-fork: a sequence cannot start from itself")
+
+
+@message("seq-forked", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SequenceForked:
     KIND: ClassVar[str]
     CHANNEL: ClassVar[str]
     req: int

@@ -7,7 +7,16 @@ import math
 import torch
 from torch import nn
 
-from shards.arch.common import CausalLM, CausalMask, Head, Layer, activation, attend, extend_mask
+from shards.arch.common import (
+    CausalLM,
+    CausalMask,
+    Head,
+    Layer,
+    activation,
+    attend,
+    causal_bias,
+    key_positions,
+)
 from shards.config import ModelConfig
 
 
@@ -33,19 +42,6 @@ class BloomEmbedding(nn.Module):
         return self.norm(self.tokens(input_ids))
 
 
-class Alibi(nn.Module):
-    """position_ids [1, T] -> [1, heads, 1, T]: the ALiBi bias of the T new keys."""
-
-    slopes: torch.Tensor  # a buffer
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.register_buffer("slopes", alibi_slopes(config.num_heads), persistent=False)
-
-    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        return self.slopes[None, :, None, None] * position_ids[:, None, None, :]
-
-
 class BloomAttention(nn.Module):
     slopes: torch.Tensor  # a buffer
 
@@ -60,17 +56,17 @@ class BloomAttention(nn.Module):
         self.residual_post_norm = config.residual_post_norm
         self.scale = 1.0 / math.sqrt(self.head_dim)
 
-    def forward(self, hidden, mask, alibi, past_k, past_v):
+    def forward(self, hidden, mask, past_k, past_v):
         x = self.norm(hidden)
         residual = x if self.residual_post_norm else hidden
         # Hugging Face lays the fused projection out as [heads, (q, k, v), head_dim].
-        fused = self.query_key_value(x).view(1, -1, self.heads, 3, self.head_dim)
+        fused = self.query_key_value(x).unflatten(-1, (self.heads, 3, self.head_dim))
         query, key, value = (fused[..., i, :].transpose(1, 2) for i in range(3))
         key = torch.cat((past_k, key), dim=2)
         value = torch.cat((past_v, value), dim=2)
-        past_len = past_k.shape[2]
-        cached = self.slopes[None, :, None, None] * torch.arange(past_len, dtype=torch.float32)
-        bias = torch.cat((cached, alibi), dim=-1) + extend_mask(mask, past_len)
+        keys = key_positions(mask, past_k.shape[2], key.shape[2])
+        alibi = self.slopes[None, :, None, None] * keys.float()  # [B, heads, 1, P+T]
+        bias = alibi + causal_bias(mask, keys)
         out = attend(query, key, value, bias, self.scale)
         return residual + self.dense(out), key, value
 
@@ -96,7 +92,6 @@ class BloomModel(CausalLM):
         super().__init__(config)
         self.embed = BloomEmbedding(config)
         self.mask = CausalMask()
-        self.alibi = Alibi(config)
         self.layers = nn.ModuleList(
             Layer(BloomAttention(config), BloomMLP(config)) for _ in range(config.num_layers)
         )
@@ -104,4 +99,4 @@ class BloomModel(CausalLM):
         self.head = Head(norm, config.hidden_size, config.vocab_size)
 
     def prepare(self, input_ids, position_ids):
-        return self.embed(input_ids), (self.mask(position_ids), self.alibi(position_ids))
+        return self.embed(input_ids), (self.mask(position_ids),)

@@ -2,10 +2,16 @@
 mask, attention, normalisation and activations.
 
 Shapes follow one rule so that any unit of a segmented model only needs its own inputs: the
-per-step tensors (`CausalMask`, rotary cos/sin, ALiBi) describe the T new positions and are
+per-step tensors (`CausalMask`, rotary cos/sin) describe the T new positions and are
 computed once near the input; each attention extends them over its own P cached keys using
-the shape of its own past K (a zero block, an arange). Nothing has a shape that depends on
-tensor values, so torch.fx tracing and ONNX export (TorchScript or dynamo) see plain shapes.
+the shape of its own past K. Nothing has a shape that depends on tensor values, so torch.fx
+tracing and ONNX export see plain shapes.
+
+A step runs B sequences at once (the batch axis, first everywhere). Their caches differ in
+length, so each sequence's cache is left-padded to the longest, P: a sequence with L cached
+positions has P - L padding keys first, then its own. Its new tokens stand at positions
+L, L+1, ... (positions within a step are consecutive), which is how an attention tells its
+padding from its keys (`causal_bias`): key j of a sequence stands at position j - P + L.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ def cache_names(num_layers: int, prefix: str) -> list[str]:
 
 
 class CausalLM(nn.Module):
-    """embed → per-step tensors → layers[i].attn / layers[i].mlp → head, batch 1, float32.
+    """embed → per-step tensors → layers[i].attn / layers[i].mlp → head, float32.
 
     Subclasses build `embed`, `layers` and `head` and implement `prepare`, which embeds the
     tokens and computes the per-step tensors every attention receives after `hidden`.
@@ -101,29 +107,37 @@ class Head(nn.Module):
 
 
 class CausalMask(nn.Module):
-    """[1, 1, T, T] additive mask of the new tokens over themselves (0 where visible)."""
+    """position_ids [B, T] -> [B, 1, T, 1]: where the new queries stand, from which each
+    attention builds its bias over its keys (`causal_bias`)."""
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        positions = position_ids[0]
-        visible = positions[None, :] <= positions[:, None]
-        return torch.where(visible, 0.0, NEG_INF)[None, None]
+        return position_ids[:, None, :, None]
 
 
-def extend_mask(mask: torch.Tensor, past_len: int) -> torch.Tensor:
-    """[.., T, T] mask of the new keys -> [.., T, P+T]: cached keys are all visible."""
-    return F.pad(mask, (past_len, 0))
+def key_positions(queries: torch.Tensor, past_len, key_len) -> torch.Tensor:
+    """[B, 1, T, 1] query positions -> [B, 1, 1, key_len]: the position of each of the
+    `past_len` cached (left-padded) and the new keys; padding stands before position 0.
+
+    Written from `past_len` and `key_len` first: a value computed from the queries alone
+    would be hoisted into unit 0 and sent to every attention (docs/architecture.md)."""
+    offsets = (queries - past_len)[:, :, :1, :]  # the first query's position, less past_len
+    return torch.arange(key_len) + offsets
 
 
-def apply_window(bias: torch.Tensor, past_len: int, window: int) -> torch.Tensor:
-    """Hide keys `window` or more positions behind the query (Mistral-style sliding window)."""
-    queries = torch.arange(bias.shape[-2]) + past_len
-    keys = torch.arange(bias.shape[-1])
-    return bias.masked_fill(queries[:, None] - keys[None, :] >= window, NEG_INF)
+def causal_bias(queries: torch.Tensor, keys: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
+    """[B, 1, T, P+T] additive bias: 0 where a query sees a key (a key at or before it, not
+    padding, and with `window`, fewer than `window` positions behind; Mistral's sliding
+    window), NEG_INF elsewhere."""
+    visible = (keys >= 0) & (keys <= queries)
+    if window is not None:
+        visible = visible & (queries - keys < window)
+    return torch.where(visible, 0.0, NEG_INF)
 
 
 def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
-    """[1, T, heads*head_dim] -> [1, heads, T, head_dim]."""
-    return x.view(1, -1, num_heads, head_dim).transpose(1, 2)
+    """[B, T, heads*head_dim] -> [B, heads, T, head_dim]."""
+    return x.unflatten(-1, (num_heads, head_dim)).transpose(1, 2)
 
 
 def attend(
@@ -134,9 +148,9 @@ def attend(
     scale: float,
     groups: int = 1,
 ) -> torch.Tensor:
-    """Softmax attention over [1, heads, *, head_dim]; key/value have heads/groups heads
+    """Softmax attention over [B, heads, *, head_dim]; key/value have heads/groups heads
     (grouped-query attention), and with groups > 1 the bias is one for every head
-    ([1, 1, T, P+T]). Returns [1, T, heads*head_dim].
+    ([B, 1, T, P+T]). Returns [B, T, heads*head_dim].
 
     The `groups` query heads that share a key/value head are multiplied with it as one
     matrix of groups*T rows (the bias repeated to match), instead of repeating the key and
@@ -144,13 +158,13 @@ def attend(
     ONNX Runtime's profile of an int4 decode step it was the costliest operator after the
     MatMuls. Together with RMSNorm's fused form: int4 decode of the 24-layer hidden-1024
     model 55.2 -> 62.2 tokens/s, float32 19.5 -> 20.3 (medians of 6 rounds, one process)."""
-    heads, head_dim = query.shape[1], query.shape[3]
-    grouped = query.reshape(1, heads // groups, -1, head_dim)  # rows: (group member, t)
+    heads = query.shape[1]
+    grouped = query.unflatten(1, (heads // groups, groups)).flatten(2, 3)  # rows: (member, t)
     if groups > 1:
         bias = bias.repeat(1, 1, groups, 1)
     scores = torch.matmul(grouped, key.transpose(2, 3)) * scale + bias
     probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, value).reshape(1, heads, -1, head_dim)
+    out = torch.matmul(probs, value).unflatten(2, (groups, -1)).flatten(1, 2)
     return out.transpose(1, 2).flatten(2)
 
 

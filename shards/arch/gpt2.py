@@ -12,7 +12,8 @@ from shards.arch.common import (
     Layer,
     activation,
     attend,
-    extend_mask,
+    causal_bias,
+    key_positions,
     split_heads,
 )
 from shards.config import ModelConfig
@@ -29,7 +30,7 @@ class Conv1D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)
-        return out.reshape(1, -1, self.weight.shape[1])
+        return out.view(x.shape[0], -1, self.weight.shape[1])
 
 
 class GPT2Embedding(nn.Module):
@@ -59,7 +60,8 @@ class GPT2Attention(nn.Module):
         query = split_heads(query, self.heads, self.head_dim)
         key = torch.cat((past_k, split_heads(key, self.heads, self.head_dim)), dim=2)
         value = torch.cat((past_v, split_heads(value, self.heads, self.head_dim)), dim=2)
-        out = attend(query, key, value, extend_mask(mask, past_k.shape[2]), self.scale)
+        bias = causal_bias(mask, key_positions(mask, past_k.shape[2], key.shape[2]))
+        out = attend(query, key, value, bias, self.scale)
         return hidden + self.c_proj(out), key, value
 
 

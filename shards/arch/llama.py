@@ -13,9 +13,9 @@ from shards.arch.common import (
     Layer,
     RMSNorm,
     activation,
-    apply_window,
     attend,
-    extend_mask,
+    causal_bias,
+    key_positions,
     split_heads,
 )
 from shards.arch.rope import RotaryEmbedding, rotate
@@ -53,10 +53,8 @@ class LlamaAttention(nn.Module):
         value = split_heads(self.v_proj(x), self.kv_heads, self.head_dim)
         key = torch.cat((past_k, key), dim=2)
         value = torch.cat((past_v, value), dim=2)
-        past_len = past_k.shape[2]
-        bias = extend_mask(mask, past_len)
-        if self.window is not None:
-            bias = apply_window(bias, past_len, self.window)
+        keys = key_positions(mask, past_k.shape[2], key.shape[2])
+        bias = causal_bias(mask, keys, self.window)
         out = attend(query, key, value, bias, self.scale, self.heads // self.kv_heads)
         return hidden + self.o_proj(out), key, value
 

@@ -40,7 +40,7 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """position_ids [1, T] -> (cos, sin), each [1, 1, T, head_dim], shared by every layer."""
+    """position_ids [B, T] -> (cos, sin), each [B, 1, T, head_dim], shared by every layer."""
 
     inv_freq: torch.Tensor  # a buffer
 
@@ -61,17 +61,18 @@ class RotaryEmbedding(nn.Module):
         return angles.cos(), angles.sin()
 
     def _ntk(self, position_ids: torch.Tensor, factor: float) -> torch.Tensor:
-        """Dynamic NTK: the base grows once the sequence outgrows max_positions."""
-        seq_len = torch.clamp(position_ids.max() + 1, min=self.max_positions).float()
+        """Dynamic NTK: the base grows once the sequence outgrows max_positions; [B, 1,
+        head_dim / 2], each sequence of the batch by its own length."""
+        seq_len = torch.clamp(position_ids.amax(-1) + 1, min=self.max_positions).float()
         dim = self.head_dim
         growth = factor * seq_len / self.max_positions - (factor - 1)
         base = self.theta * growth ** (dim / (dim - 2))
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        return 1.0 / (base**exponents)
+        return 1.0 / (base[:, None, None] ** exponents)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply the rotation to [1, heads, T, head_dim] queries or keys."""
+    """Apply the rotation to [B, heads, T, head_dim] queries or keys."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

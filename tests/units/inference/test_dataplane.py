@@ -51,6 +51,25 @@ async def test_eight_concurrent_generations_are_exact_and_free_their_state(toy, 
     )
 
 
+SETTINGS = [{}, {"temperature": 0.8, "seed": 1}, {"temperature": 1.3, "top_k": 3, "seed": 2},
+            {"temperature": 0.7, "top_p": 0.8, "seed": 3}]
+
+
+async def test_answers_in_flight_together_share_steps_and_each_equals_its_run_alone(ring):
+    head = ring[0].answers
+    requests = [_request(prompt, 12, **SETTINGS[i % len(SETTINGS)])
+                for i, prompt in enumerate(PROMPTS)]
+    together = await asyncio.wait_for(
+        asyncio.gather(*(head.generate(r, lambda t: None) for r in requests)), 30)
+    for peer in ring:
+        counters = peer.plane.worker.counters
+        assert counters.steps == 12 * len(PROMPTS)
+        assert counters.steps >= 3 * counters.batches, "the answers ran mostly one by one"
+    alone = [await asyncio.wait_for(head.generate(r, lambda t: None), 10) for r in requests]
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    assert len({tuple(r.tokens) for r in alone}) > 1
+
+
 async def test_residuals_reach_only_the_stage_that_consumes_them(ring):
     await ring[0].answers.generate(_request([1, 2, 3], max_tokens=4), lambda t: None)
     head, middle, last = (p.plane.worker.counters for p in ring)

@@ -49,7 +49,7 @@ def manifest() -> dict:
             "flops_per_token": {"prefill": 3 * unit["flops"], "decode": unit["flops"]},
             "weight_bytes": unit["weight_bytes"], "kv_bytes_per_token": unit["kv_bytes_per_token"],
         })
-    return {"format": 2, "model": {"architecture": "llama"},
+    return {"format": 3, "model": {"architecture": "llama"},
             "options": {"quant": "none", "granularity": "half"}, "return_bytes": 8, "units": units}
 
 
@@ -135,8 +135,8 @@ def test_bad_units_are_named(path, value, complaint):
 
 
 def test_a_manifest_of_another_format_or_without_work_is_refused():
-    with pytest.raises(InvalidInput, match="manifest format 1 is not 2"):
-        workload_from_dict(edited(manifest(), ["format"], 1))
+    with pytest.raises(InvalidInput, match="manifest format 2 is not 3"):
+        workload_from_dict(edited(manifest(), ["format"], 2))
     idle = copy.deepcopy(UNITS)
     for unit in idle["units"]:
         unit["flops"] = 0

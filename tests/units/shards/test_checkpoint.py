@@ -176,7 +176,7 @@ def test_materialize_loads_only_the_chosen_modules(hf_checkpoint):
         if chosen:
             assert torch.equal(param, full.get_parameter(name))
     hidden = torch.randn(1, 3, config.hidden_size)
-    step = (full.mask(torch.arange(3)[None]), full.alibi(torch.arange(3)[None]))
+    step = (full.mask(torch.arange(3)[None]),)
     past = empty_cache(config)[:2]
     with torch.inference_mode():
         got = partial.layers[1].attn(hidden, *step, *past)

@@ -77,13 +77,13 @@ def test_units_of_a_shard_directory_load_from_a_copy_anywhere(llama, tmp_path):
     assert [o.name for o in session.get_outputs()] == ["logits"]
 
 
-def test_sequence_and_past_axes_are_dynamic(llama):
+def test_batch_sequence_and_past_axes_are_dynamic(llama):
     _, result = llama
     attn = result.manifest.units[1]
     dims, _ = _graph_io(result.directory / attn.model_file.name)
-    assert dims["embed.hidden"] == [1, "T", 64]
-    assert dims["mask"] == [1, 1, "T", "T"]
-    assert dims["past_k_0"] == dims["past_v_0"] == [1, 2, "P", 16]
+    assert dims["embed.hidden"] == ["B", "T", 64]
+    assert dims["mask"] == ["B", 1, "T", 1]
+    assert dims["past_k_0"] == dims["past_v_0"] == ["B", 2, "P", 16]
 
 
 @pytest.mark.parametrize(("tokens", "past"), [(5, 0), (1, 6), (1, 0), (7, 3)])

@@ -26,7 +26,7 @@ def test_dependency_maps_of_a_real_model(bloom):
     manifest = bloom.manifest
     attention = [u.index for u in manifest.units if u.name.endswith(".attn")]
     residual = manifest.residual()
-    assert residual == {(0, "alibi"): tuple(attention[1:]), (0, "mask"): tuple(attention[1:])}
+    assert residual == {(0, "mask"): tuple(attention[1:])}
     sequential = manifest.sequential()
     for unit in manifest.units[:-1]:
         assert sequential[(unit.index, f"{unit.name}.hidden")] == unit.index + 1
@@ -34,8 +34,8 @@ def test_dependency_maps_of_a_real_model(bloom):
 
 def test_stage_inputs_and_outputs(bloom):
     manifest = bloom.manifest
-    assert manifest.stage_inputs(2, 3) == {"layer0.attn.hidden": 1, "alibi": 0, "mask": 0}
-    assert manifest.stage_outputs(0, 2) == {"alibi": (3,), "mask": (3,), "layer0.mlp.hidden": (3,)}
+    assert manifest.stage_inputs(2, 3) == {"layer0.attn.hidden": 1, "mask": 0}
+    assert manifest.stage_outputs(0, 2) == {"mask": (3,), "layer0.mlp.hidden": (3,)}
     assert manifest.stage_outputs(4, 5) == {"logits": (-1,)}
     assert manifest.stage_inputs(0, 5) == {"input_ids": -1, "position_ids": -1}
 
@@ -52,7 +52,7 @@ def test_broken_manifests_get_one_line_errors(bloom, tmp_path):
         Manifest.load(tmp_path)
     data = bloom.manifest.to_dict()
     _write(tmp_path, {**data, "format": 99})
-    with pytest.raises(ManifestError, match="format-2"):
+    with pytest.raises(ManifestError, match="format-3"):
         Manifest.load(tmp_path)
     del data["units"][0]["files"][0]["sha256"]
     _write(tmp_path, data)

@@ -28,9 +28,9 @@ def _feeds(session: ort.InferenceSession) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     feeds = {}
     for spec in session.get_inputs():
-        shape = [{"T": 5, "P": 3}.get(d, d) for d in spec.shape]
+        shape = [{"T": 5, "P": 3, "B": 2}.get(d, d) for d in spec.shape]
         if spec.type == "tensor(int64)":
-            feeds[spec.name] = np.array([[3, 200, 17, 383, 0]], dtype=np.int64)
+            feeds[spec.name] = np.resize(np.array([3, 200, 17, 383, 0], dtype=np.int64), shape)
         else:
             feeds[spec.name] = rng.standard_normal(shape).astype(np.float32)
     return feeds

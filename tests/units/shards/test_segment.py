@@ -10,7 +10,7 @@ from shards.checkpoint import load_model
 from shards.config import load_config
 from shards.segment import LOGITS, REQUEST, segment
 
-RESIDUALS = {"llama": {"rotary.cos", "rotary.sin", "mask"}, "bloom": {"alibi", "mask"}}
+RESIDUALS = {"llama": {"rotary.cos", "rotary.sin", "mask"}, "bloom": {"mask"}}
 
 
 def _segmentation(hf_checkpoint, family: str, granularity: str = "half"):

@@ -121,9 +121,9 @@ def _member_dealer(member: Node, target: Node, port: int) -> zmq.asyncio.Socket:
 
 JUNK = [
     [b"\xc1 not msgpack"],
-    [msgpack.packb({"v": 1, "kind": "ping", "req": "one"})],
-    [msgpack.packb({"v": 1, "kind": "nope"})],
-    [msgpack.packb({"v": 2, "kind": "ping", "req": 1})],
+    [msgpack.packb({"v": 2, "kind": "ping", "req": "one"})],
+    [msgpack.packb({"v": 2, "kind": "nope"})],
+    [msgpack.packb({"v": 3, "kind": "ping", "req": 1})],
     protocol.encode(protocol.BandwidthProbe(req=1, tensors={"payload": np.zeros(8, np.uint8)})),
 ]
 
@@ -208,7 +208,7 @@ async def test_an_answer_of_the_wrong_kind_is_an_error(pair):
 
 def test_every_request_names_registered_answers_that_carry_its_number():
     requests = [c for c in protocol.kinds().values() if issubclass(c, protocol.Asks)]
-    assert len(requests) == 10
+    assert len(requests) == 11
     for request in requests:
         answers = protocol.answer_kinds(request)
         assert answers and all(protocol.kinds()[a.KIND] is a for a in answers), request
