@@ -10,7 +10,12 @@
 2. Aggregate tokens/s with 1, 2, 4 and 8 answers in flight at once, over the three daemons
    and whole in one process, and each against one in flight (targets: x2.5 with 4 and x3.5
    with 8). Each answer has a prompt of its own length, prefill included in the time.
-3. What direct residual messages save over piggybacking them along the ring: the bytes the
+3. A chat of five turns over the daemons, each turn sending the whole conversation again
+   (a 300-token first message, 100-token answers, 200-token messages: 1,500 tokens of
+   history by the 5th turn): each turn's time to first token and the prompt tokens it
+   reused from the turn before, the 5th turn's against the 1st (target <= 1.2), and a
+   1,500-token prompt with nothing to reuse beside them.
+4. What direct residual messages save over piggybacking them along the ring: the bytes the
    stages in between would have relayed, and the time per token those relays would cost on
    the measured links (LinguaLinked: 0.011 s residual hop vs 0.25 s relayed).
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import threading
@@ -50,6 +56,8 @@ from shards.sampling import SamplingParams
 PROMPT = [1, 17, 42, 99, 7, 250, 31, 64]
 TARGET = 0.9
 IN_FLIGHT = {1: None, 2: None, 4: 2.5, 8: 3.5}  # answers at once: target against one
+CHAT_TURNS = [(300, 100), (200, 100), (200, 100), (200, 100), (200, 1)]  # (said, answered)
+TURN_TARGET = 1.2
 PEERS = 3
 
 
@@ -78,6 +86,7 @@ def _bench(root: Path, args: argparse.Namespace) -> None:
         print(f"load average before: {_load()}")
         whole = _whole_vs_split(cluster, args.tokens, args.repeats)
         _in_flight(cluster, whole, args.tokens)
+        _chat_turns(cluster.dirs[0])
         _residuals(cluster)
         print(f"\nload average after: {_load()}")
 
@@ -210,6 +219,32 @@ def _concurrent(dirs: list[Path], count: int, tokens: int) -> float:
     for thread in threads:
         thread.join()
     return sum(produced) / (time.perf_counter() - started)
+
+
+def _chat_turns(head_dir: Path) -> None:
+    rng = random.Random(5)
+
+    def message(length: int) -> list[int]:
+        return [rng.randrange(3, 30000) for _ in range(length)]
+
+    print(f"\na chat of {len(CHAT_TURNS)} turns, the whole conversation sent each turn")
+    conversation: list[int] = []
+    firsts = []
+    for turn, (said, answer) in enumerate(CHAT_TURNS, 1):
+        conversation += message(said)
+        done = stream_answer(head_dir, {"prompt_ids": conversation, "max_tokens": answer})
+        stats = done["stats"]
+        firsts.append(stats["time_to_first_token_s"])
+        print(f"  turn {turn}: {stats['prompt_tokens']:5d} prompt tokens, "
+              f"{stats['reused_prompt_tokens']:5d} reused, first token after "
+              f"{firsts[-1] * 1e3:7.1f} ms")
+        conversation += done["token_ids"]
+    alone = stream_answer(head_dir, {"prompt_ids": message(len(conversation)), "max_tokens": 1})
+    print(f"  a {len(conversation)}-token prompt with nothing to reuse: first token after "
+          f"{alone['stats']['time_to_first_token_s'] * 1e3:7.1f} ms")
+    ratio = firsts[-1] / firsts[0]
+    verdict = "meets" if ratio <= TURN_TARGET else "MISSES"
+    print(f"  turn {len(firsts)} / turn 1: {ratio:.2f} (target <= {TURN_TARGET}: {verdict})")
 
 
 def _residuals(cluster: LocalCluster) -> None:

@@ -357,6 +357,25 @@ class StageExecutor:
             for spec in unit.state:
                 state[spec.input] = _owned(tensors[spec.input], spec.dtype)
 
+    def fork(self, source: str, seq_id: str, length: int) -> None:
+        """Start `seq_id` from the first `length` positions of `source`'s K/V (a new turn of
+        a conversation whose earlier turn ran as `source`). All of it is shared rather than
+        copied: a step never writes into its K/V inputs."""
+        with self._lock:
+            if source not in self._state and source not in self._batches:
+                raise KeyError(f"unknown sequence {source!r}")
+            kept = self._alone(source)
+            specs = self._state_specs()
+            held = _length(kept[specs[0].input], specs[0].seq_axis) if specs else length
+            if not 0 < length <= held:
+                raise ValueError(f"{source} holds {held} positions, not {length}")
+            self._batches.pop(seq_id, None)
+            self._state[seq_id] = {
+                spec.input: kept[spec.input] if length == held else
+                _owned(_unpadded(_numpy(kept[spec.input]), 0, 0, spec.seq_axis, length),
+                       spec.dtype)
+                for spec in specs}
+
     # -- helpers ---------------------------------------------------------------------------
     def _unit(self, unit_index: int) -> Unit:
         if not self.first <= unit_index <= self.last:
@@ -472,9 +491,12 @@ class _Batch:
                 for b, seq_id in members]
 
 
-def _unpadded(batched: np.ndarray, row: int, pad: int, seq_axis: int) -> np.ndarray:
+def _unpadded(batched: np.ndarray, row: int, pad: int, seq_axis: int,
+              length: int | None = None) -> np.ndarray:
+    """Row `row`'s positions after `pad` (the first `length` of them, if given)."""
     index: list[slice] = [slice(None)] * batched.ndim
-    index[0], index[seq_axis] = slice(row, row + 1), slice(pad, None)
+    end = None if length is None else pad + length
+    index[0], index[seq_axis] = slice(row, row + 1), slice(pad, end)
     return batched[tuple(index)]
 
 

@@ -60,6 +60,7 @@ class Answered:
     stages: list[SequenceStats]
     resumed: int  # times the answer moved to a new plan
     kv_moved: int = 0  # of those, the moves that took its K/V along (the rest re-prefilled)
+    reused: int = 0  # prompt positions whose K/V came from an earlier answer
 
 
 @dataclass
@@ -129,7 +130,7 @@ class Answers:
                 plane = await self._plane(avoid=left)
             try:
                 stages = await plane.run(generation, request.params, on_token)
-                return Answered(generation.tokens, stages, resumed, kv_moved)
+                return Answered(generation.tokens, stages, resumed, kv_moved, generation.reused)
             except Moved as moved:
                 log.info("answer %s moved to plan %s with its K/V after %d tokens",
                          generation.seq_id, moved.plane.plan, len(generation.tokens))
@@ -179,6 +180,7 @@ class Answers:
                 await self._room.wait_for(lambda: self._turn(ticket, request))
             self._running += 1
             self._reserved += request.kv_tokens
+            self._room_for_kept(request.prompt)
         finally:
             self._line.remove(ticket)
             await self._recheck_room()
@@ -190,14 +192,25 @@ class Answers:
                 f"{request.kv_tokens} tokens (prompt + max_tokens) exceed the plan's K/V "
                 f"reserve of {reserve} tokens"
             )
-        if self._line[0] is not ticket or self._running >= self.limits.max_sequences:
+        if self._line[0] is not ticket:
             return False
-        return not reserve or self._reserved + request.kv_tokens <= reserve
+        if reserve:  # admission by K/V room; a count only where the plan has no reserve
+            return self._reserved + request.kv_tokens <= reserve
+        return self._running < self.limits.max_sequences
 
     async def _release(self, request: Request) -> None:
         self._running -= 1
         self._reserved -= request.kv_tokens
+        self._room_for_kept()
         await self._recheck_room()
+
+    def _room_for_kept(self, admitted: list[int] | None = None) -> None:
+        """Ended answers' kept K/V (for their conversations' next turns) may use what of
+        the plan's K/V reserve the running answers leave; the kept K/V an `admitted`
+        prompt will take over is part of its answer's room."""
+        plane, reserve = self._now.plane, self._now.kv_tokens
+        if plane is not None and reserve:
+            plane.keep_within(reserve - self._reserved, admitted or ())
 
     def status(self) -> dict[str, int]:
         return {"running": self._running, "waiting": len(self._line),

@@ -42,9 +42,10 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from peerd.cluster.unit_clock import UnitClock
 from peerd.inference.answer_clock import AnswerClock
@@ -56,11 +57,15 @@ from peerd.inference.pipeline import (
     TokenLogprobs,
     TokenSampler,
 )
+from peerd.inference.prefixes import MIN_REUSE, PrefixCache
 from peerd.inference.routing import routes
 from peerd.wire.protocol import (
+    Asks,
     Message,
     SequenceDrop,
     SequenceFailed,
+    SequenceFork,
+    SequenceForked,
     SequenceMove,
     SequenceMoved,
     SequenceOpen,
@@ -85,6 +90,9 @@ STATS_TIMEOUT_S = 2.0
 # comes (its sequence ended at the sender) holds the others no longer than this
 GATHER_S = 0.05
 
+
+# The answers that say only whether a request about a sequence's K/V was done
+_Done = TypeVar("_Done", SequenceMoved, SequenceForked)
 
 # Called with each new token of an answer; returning True ends the answer after it (its text
 # reached a stop string), at once on every stage.
@@ -212,6 +220,7 @@ class DataPlane:
         self._gathering: dict[tuple[int, str], _Gathering] = {}  # by (source stage, batch)
         self._wave: list[_Running] = []  # the head's answers waiting to step together
         self._in_flight: set[str] = set()  # the head's answers with a step under way
+        self.prefixes = PrefixCache()  # the head's ended answers whose K/V the stages keep
 
     @property
     def is_head(self) -> bool:
@@ -240,11 +249,13 @@ class DataPlane:
             raise GenerationError("this peer is not the head of the plan")
         if self.closed:
             raise PlaneClosed
+        await self._reuse(generation)
         seq_id = generation.seq_id
         loop = asyncio.get_running_loop()
         running = _Running(generation, on_token, loop.create_future(), time.monotonic())
         self.answer_clock.begin(running.active_at, idle=not self._running)
         self._running[seq_id] = running
+        kept = False
         try:
             await self._open(seq_id, params, len(generation.tokens))
             if not running.done.done():
@@ -252,12 +263,57 @@ class DataPlane:
             await self._until_done(running)
             if running.paused:
                 raise await self._move(generation)
-            return await self._costs_of(seq_id)
+            costs = await self._costs_of(seq_id)
+            kept = self._keep(generation)
+            return costs
         finally:
             self._running.pop(seq_id, None)
             self._landed(seq_id)
-            self._end(seq_id)
+            if not kept:
+                self._end(seq_id)
             self._quiet.set()
+
+    async def _reuse(self, generation: Generation) -> None:
+        """Start a new answer from the K/V of an ended one whose tokens its prompt begins
+        with (the previous turn of its conversation), where one is kept: every stage hands
+        it over to the new sequence (`SequenceFork`, then the kept one is dropped), and
+        the answer prefills only the rest of its prompt."""
+        if generation.cached or generation.tokens:
+            return
+        reuse = self.prefixes.take(generation.prompt)
+        if reuse is None:
+            return
+        ask = SequenceFork(0, self.plan, reuse.seq_id, generation.seq_id, reuse.length)
+        errors = [e for e in await asyncio.gather(*(self._fork_at(p, ask) for p in self.peers))
+                  if e]
+        self._end(reuse.seq_id)
+        if errors:
+            log.warning("answer %s prefills its whole prompt: %s", generation.seq_id,
+                        "; ".join(errors))
+            self._end(generation.seq_id)  # where it did fork
+            generation.restart(uuid.uuid4().hex)
+            return
+        generation.reuse(reuse.length)
+
+    async def _fork_at(self, peer: str, fork: SequenceFork) -> str | None:
+        return self._forked_here(fork) if peer == self.me else await self._asked(peer, fork)
+
+    def _keep(self, generation: Generation) -> bool:
+        """Keep a finished answer's K/V on the stages for its conversation's next turn;
+        False where the plane is going away or there is too little to reuse."""
+        if self.closed or self._handover is not None or generation.cached <= MIN_REUSE:
+            return False
+        context = [*generation.prompt, *generation.tokens][: generation.cached]
+        for gone in self.prefixes.keep(generation.seq_id, context):
+            self._end(gone)
+        return True
+
+    def keep_within(self, tokens: int, sparing: Sequence[int] = ()) -> None:
+        """Give up kept K/V, least recently used first, until it holds at most `tokens`
+        positions (the room the running answers leave in the plan's K/V reserve), sparing
+        what the admitted prompt `sparing` will take over (its answer's room holds it)."""
+        for gone in self.prefixes.within(max(tokens, 0), sparing):
+            self._end(gone)
 
     async def _open(self, seq_id: str, params: SamplingParams, skip: int) -> None:
         if self.is_last:
@@ -383,8 +439,8 @@ class DataPlane:
             return PlaneClosed()
         return Moved(target, ask.to_seq_id)
 
-    async def _asked(self, peer: str, request: SequenceMove | SequenceState) -> str | None:
-        """Ask `peer` to move or store a sequence's K/V: None, or why it could not."""
+    async def _asked(self, peer: str, request: Asks[_Done]) -> str | None:
+        """Ask `peer` to move, store or fork a sequence's K/V: None, or why it could not."""
         try:
             answer = await self.transport.request(peer, request, self.limits.send_timeout_s)
         except TransportError as exc:
@@ -415,6 +471,8 @@ class DataPlane:
             self._spawn(self._on_move(message, reply))
         elif isinstance(message, SequenceState):
             reply(SequenceMoved(message.req, self.store_state(message)))
+        elif isinstance(message, SequenceFork):
+            reply(SequenceForked(message.req, self._forked_here(message)))
         elif getattr(message, "seq_id", None) in self._ended:
             return
         elif isinstance(message, StageData):
@@ -479,6 +537,17 @@ class DataPlane:
             self.worker.drop(state.seq_id)
             return f"stage {self.stage}: {exc}"
         self._live.add(state.seq_id)
+        return None
+
+    def _forked_here(self, fork: SequenceFork) -> str | None:
+        """Start a sequence from a kept one's K/V on this stage; None, or why not."""
+        if self.closed:
+            return f"stage {self.stage} of plan {self.plan} is closed"
+        try:
+            self.worker.executor.fork(fork.source, fork.seq_id, fork.length)
+        except (KeyError, ValueError) as exc:
+            return f"stage {self.stage}: {exc.args[0]}"
+        self._live.add(fork.seq_id)
         return None
 
     def _on_open(self, message: SequenceOpen, reply: Callable[[Message], None]) -> None:
@@ -644,6 +713,8 @@ class DataPlane:
         `wait_s`. On the head, running answers stop at their next token boundary and move
         with their K/V to `handover` (None: they re-prefill on the next plan)."""
         self._handover = handover if self.is_head else None
+        for kept in self.prefixes.clear():
+            self._end(kept)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(wait_s):
                 while self._running or self._live:

@@ -237,6 +237,7 @@ class Generation:
     cached: int = 0
     step: int = 0  # forward passes of this seq_id, pairing the messages of one step
     stopped: bool = False  # ended early: its text reached a stop string
+    reused: int = 0  # prompt positions whose K/V came from an earlier answer
 
     def step_inputs(self) -> tuple[int, Tensors]:
         """The step to run next and its request inputs."""
@@ -265,6 +266,11 @@ class Generation:
     def restart(self, seq_id: str) -> None:
         """Forget the K/V: the next step re-prefills everything under `seq_id`."""
         self.seq_id, self.cached, self.step = seq_id, 0, 0
+
+    def reuse(self, positions: int) -> None:
+        """The stages hold K/V of the first `positions` of the prompt (an earlier answer's,
+        SequenceFork): the first step prefills only the rest."""
+        self.cached = self.reused = positions
 
     def moved(self, seq_id: str) -> None:
         """The K/V moved to another plan under `seq_id`: the next step continues from it."""

@@ -3,10 +3,12 @@
 A chat's next turn sends the whole conversation again: the last turn's prompt and answer,
 then the new message. The stages still hold the K/V of what the last turn ran, so the head
 keeps those sequences after they end, and a new answer whose prompt starts with the tokens of
-one of them starts from a copy of its K/V (`SequenceFork`) and prefills only the rest.
+one of them takes its K/V over (`SequenceFork`, then the kept sequence is dropped: the new
+answer's K/V holds the same positions, and its own room in the plan's K/V reserve counts
+them) and prefills only the rest.
 
 `PrefixCache` is the head's record of them: which sequences are kept, the tokens their K/V
-holds, which to reuse for a prompt, and which to give up, least recently used first, when
+holds, which one a prompt takes over, and which to give up, least recently used first, when
 they hold more K/V than the room they are given. Pure: the data plane does the forking and
 dropping (peerd/inference/dataplane.py).
 """
@@ -40,23 +42,38 @@ class PrefixCache:
         self._kept[seq_id] = tuple(tokens)
         return self._evict(lambda: len(self._kept) > self.most)
 
-    def reuse(self, prompt: Sequence[int]) -> Reuse | None:
+    def take(self, prompt: Sequence[int]) -> Reuse | None:
         """The kept sequence sharing the longest prefix with `prompt`, if one shares
-        MIN_REUSE tokens; at least the prompt's last token is left to run, whose logits
-        give the first new token."""
+        MIN_REUSE tokens, no longer kept: the prompt's answer takes its K/V over. At least
+        the prompt's last token is left to run, whose logits give the first new token."""
+        best = self._best(prompt)
+        if best is not None:
+            del self._kept[best.seq_id]
+        return best
+
+    def within(self, tokens: int, sparing: Sequence[int] = ()) -> list[str]:
+        """Give up sequences, least recently used first, until the kept K/V holds at most
+        `tokens` positions; the sequences given up. The one a prompt `sparing` would take
+        over is neither given up nor counted: its positions are that answer's."""
+        spared = self._best(sparing)
+        keep = "" if spared is None else spared.seq_id
+        counted = lambda: self.tokens - len(self._kept.get(keep, ()))  # noqa: E731
+        gone = []
+        for seq_id in list(self._kept):
+            if counted() <= tokens:
+                break
+            if seq_id != keep:
+                del self._kept[seq_id]
+                gone.append(seq_id)
+        return gone
+
+    def _best(self, prompt: Sequence[int]) -> Reuse | None:
         best: Reuse | None = None
         for seq_id, tokens in self._kept.items():
             length = min(_common(tokens, prompt), len(prompt) - 1)
             if length >= MIN_REUSE and (best is None or length > best.length):
                 best = Reuse(seq_id, length)
-        if best is not None:
-            self._kept.move_to_end(best.seq_id)
         return best
-
-    def within(self, tokens: int) -> list[str]:
-        """Give up sequences, least recently used first, until the kept K/V holds at most
-        `tokens` positions; the sequences given up."""
-        return self._evict(lambda: self.tokens > tokens)
 
     def forget(self, seq_id: str) -> None:
         self._kept.pop(seq_id, None)

@@ -438,6 +438,7 @@ def _stats(answered: Answered, prompt_tokens: int, started: float, times: list[f
     ]
     return {
         "prompt_tokens": prompt_tokens,
+        "reused_prompt_tokens": answered.reused,
         "generated_tokens": len(times),
         "time_to_first_token_s": round(times[0] - started, 6) if times else None,
         "tokens_per_second": round((len(times) - 1) / decode_s, 3) if decode_s else None,

@@ -172,6 +172,7 @@ async def test_answers_move_to_a_new_plan_mid_answer_and_stay_exact(toy, ring):
         assert result.tokens == streamed == reference(model, prompt, 24)
     assert results[-1].tokens == running[-1][1] == uninterrupted
     assert all(r.resumed == 1 for r in results)
+    ring[0].planes["1.2"].keep_within(0)  # what it kept for the conversations' next turns
     await eventually(lambda: all(p.executor.sequence_count == 0 for p in ring), "K/V freed")
 
 
@@ -228,6 +229,7 @@ async def test_an_answer_whose_k_v_cannot_all_move_re_prefills_and_leaves_nothin
     assert result.tokens == reference(model, [4, 2], 24)
     assert (result.resumed, result.kv_moved) == (1, 0)
     assert (head.status()["moved_with_kv"], head.status()["re_prefilled"]) == (0, 1)
+    a.planes["1.2"].keep_within(0)  # what it kept for the conversation's next turn
     assert executor.sequence_count == 0, "the part of the K/V that did move was freed"
 
 
@@ -294,3 +296,71 @@ async def test_an_answer_ended_by_its_token_callback_stops_on_every_stage(ring):
     await eventually(
         lambda: all(p.plane.worker.executor.sequence_count == 0 for p in ring), "K/V freed"
     )
+
+
+CONVERSATION = [1, 5, 2, 7, 3, 9, 4, 6, 8, 10, 0, 2, 4, 6]
+
+
+async def _turns(head, first_max: int = 12):
+    request = _request(CONVERSATION, first_max)
+    first = await asyncio.wait_for(head.generate(request, lambda t: None), 10)
+    return first, [*CONVERSATION, *first.tokens, 3, 1, 4]
+
+
+async def test_a_next_turn_starts_from_the_kept_k_v_and_equals_a_fresh_run(toy, ring):
+    model, head = toy[0], ring[0].answers
+    first, follow_up = await _turns(head)
+    second = await asyncio.wait_for(head.generate(_request(follow_up, 8), lambda t: None), 10)
+    assert second.reused == len(CONVERSATION) + len(first.tokens) - 1
+    assert second.tokens == reference(model, follow_up, 8)
+    assert [s.steps for s in second.stages] == [8, 8, 8]
+    prefilled = len(follow_up) - second.reused  # then 7 decode steps of one token
+    assert second.stages[0].sequential_bytes == (prefilled + 7) * (HIDDEN + 1) * 4  # + bias
+    # the second turn took the first's K/V over, and is kept for a third
+    await eventually(lambda: all(p.executor.sequence_count == 1 for p in ring), "handed over")
+    assert len(ring[0].plane.prefixes) == 1
+    ring[0].plane.keep_within(0)
+    await eventually(lambda: all(p.executor.sequence_count == 0 for p in ring), "K/V freed")
+
+
+async def test_a_stage_that_lost_the_kept_k_v_makes_the_next_turn_prefill_it_all(toy, ring):
+    model, head = toy[0], ring[0].answers
+    _, follow_up = await _turns(head)
+    kept = next(iter(ring[0].plane.prefixes._kept))
+    ring[2].plane.worker.drop(kept)
+    second = await asyncio.wait_for(head.generate(_request(follow_up, 8), lambda t: None), 10)
+    assert second.reused == 0
+    assert second.tokens == reference(model, follow_up, 8)
+    assert len(ring[0].plane.prefixes) == 1  # the broken one given up, the new one kept
+    await eventually(lambda: ring[1].executor.sequence_count == 1, "the broken one freed")
+
+
+async def test_kept_k_v_gives_way_to_answers_that_need_the_room_but_not_to_its_own(
+        toy, ring):
+    model, head = toy[0], ring[0].answers
+    head.use(ring[0].plane, kv_tokens=60)
+    _, follow_up = await _turns(head)
+    assert len(ring[0].plane.prefixes) == 1
+    second = await asyncio.wait_for(head.generate(_request(follow_up, 20), lambda t: None), 10)
+    assert second.reused and second.tokens == reference(model, follow_up, 20)
+    task, _ = await _after_tokens(head, _request([2, 3], max_tokens=50), 1)
+    await eventually(lambda: len(ring[0].plane.prefixes) == 0, "kept K/V given up")
+    await eventually(lambda: ring[2].executor.sequence_count == 1, "freed on every stage")
+    task.cancel()
+
+
+async def test_admission_counts_k_v_room_not_answers(ring):
+    head = ring[0].answers  # Limits(max_sequences=8, max_waiting=2)
+    head.use(ring[0].plane, kv_tokens=10 * 40)
+    running = [await _after_tokens(head, _request([i % 10], max_tokens=39), 1)
+               for i in range(10)]
+    assert head.status()["running"] == 10
+    waiting = [asyncio.create_task(head.generate(_request([1], 39), lambda t: None))
+               for _ in range(2)]
+    await eventually(lambda: head.status()["waiting"] == 2, "two wait for room")
+    with pytest.raises(Busy, match="busy: 10 answers running and 2 waiting"):
+        await head.generate(_request([1], 39), lambda t: None)
+    running[0][0].cancel()
+    await eventually(lambda: head.status()["waiting"] == 1, "one admitted once room freed")
+    for task in [*(t for t, _ in running[1:]), *waiting]:
+        task.cancel()

@@ -116,3 +116,19 @@ def test_a_bad_step_fails_alone(llama):
     assert isinstance(outcomes[1], Exception)
     assert isinstance(outcomes[2], ValueError) and "earlier in this batch" in str(outcomes[2])
     assert stage.sequence_count == 1
+
+
+@pytest.mark.parametrize("length", [len(PROMPTS["c"]), 4])
+def test_a_forked_sequence_continues_as_a_fresh_run_of_its_whole_context(llama, length):
+    stages = _stages(llama)
+    follow_up = [*PROMPTS["c"], 5, 8, 13]
+    fresh = _forward(stages, {"fresh": _request(follow_up, 0)})["fresh"]
+    _forward(stages, {"old": _request(PROMPTS["c"], 0)})
+    for stage in stages:
+        stage.fork("old", "new", length)
+    forked = _forward(stages, {"new": _request(follow_up, length)})["new"]
+    np.testing.assert_allclose(forked, fresh, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="holds 9 positions"):
+        stages[0].fork("old", "other", 10)
+    with pytest.raises(KeyError, match="unknown sequence"):
+        stages[0].fork("gone", "other", 1)
