@@ -100,6 +100,13 @@ def all_in_flight(askers, prompts, expected, attempts: int = 5) -> list[Answer]:
     raise AssertionError(f"in {attempts} rounds, an answer always ended before the last began")
 
 
+def only_kept(dataplanes: list[dict]) -> bool:
+    """No peer holds K/V but that of the ended answers the head keeps for their
+    conversations' next turns (`kept`, counted on the head alone)."""
+    kept = sum(d["kept"] for d in dataplanes)
+    return all(d["sequences"] == kept for d in dataplanes)
+
+
 def head_of(peers: list[netns.Peer]) -> netns.Peer | None:
     """The peer that admits the answers of the serving plan (it counts their moves)."""
     return next((p for p in peers if ((p.status() or {}).get("dataplane") or {}).get("head")),

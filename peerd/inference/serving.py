@@ -85,7 +85,7 @@ CHAT_KINDS = (ChatRequest, ChatEvent, ChatCancel)
 PLANE_KINDS = (
     protocol.StageData, protocol.SequenceOpen, protocol.SequenceToken, protocol.SequenceDrop,
     protocol.SequenceFailed, protocol.SequenceStatsRequest, protocol.SequenceMove,
-    protocol.SequenceState,
+    protocol.SequenceState, protocol.SequenceFork,
 )
 
 
@@ -620,6 +620,7 @@ class Serving:
             "head": self.chat.head is not None,
             "sequences": sum(e.sequence_count for e in executors.values()),
             "kv_bytes": sum(e.kv_bytes() for e in executors.values()),
+            "kept": len(self.answers.plane.prefixes) if self.answers.plane else 0,
             **answers,
             **dataclasses.asdict(counters),
         }

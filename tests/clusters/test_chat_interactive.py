@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from sharding import reference, seed_shard_cache
+from streaming import only_kept
 from terminal import Terminal
 
 from peerd.commands.chat import HISTORY_NAME, PROMPT, STOPPED
@@ -178,7 +179,7 @@ def test_ctrl_c_stops_the_answer_on_every_peer_and_the_session_goes_on(cluster):
         session.wait_for_output()
         session.type(b"\x03")
         assert STOPPED in session.read_until(PROMPT)
-        _wait_for(lambda: not any(p["sequences"] for p in _dataplanes(cluster)),
+        _wait_for(lambda: only_kept(_dataplanes(cluster)),
                   "every peer to free the stopped answer", FREED_S)
         ran = [p["steps"] - b for p, b in zip(_dataplanes(cluster), before, strict=True)]
         assert all(0 < steps < LONG // 2 for steps in ran), (

@@ -86,9 +86,30 @@ def test_eight_chats_at_once_are_exact_and_a_cancelled_one_frees_its_state(clust
         assert process.returncode == 0, err
         assert json.loads(out)["token_ids"] == _expected(model_dir, prompt)
     deadline = time.monotonic() + 10
-    while any(p.status() is None or p.status()["dataplane"]["sequences"] for p in peers):
-        assert time.monotonic() < deadline, "every peer frees the K/V of every sequence"
+    while not _only_kept(peers):
+        assert time.monotonic() < deadline, "every peer frees the K/V of every sequence " \
+            "but those the head keeps for the conversations' next turns"
         time.sleep(0.1)
+
+
+def _only_kept(peers: list[netns.Peer]) -> bool:
+    statuses = [p.status() for p in peers]
+    if any(s is None for s in statuses):
+        return False
+    kept = sum(s["dataplane"]["kept"] for s in statuses)  # on the head alone
+    return kept <= len(PROMPTS) and all(s["dataplane"]["sequences"] == kept for s in statuses)
+
+
+def test_a_next_turn_reuses_the_last_turns_k_v_and_equals_transformers(cluster):
+    model_dir, peers = cluster
+    first = PROMPTS[3] * 4  # long enough to be worth keeping, however soon it ends
+    conversation = [*first, *_answer(peers[0], first), 4, 8, 15]
+    done = subprocess.run(_chat(peers[2], conversation, "--json"), capture_output=True,
+                          text=True, timeout=ANSWER_S)
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["stats"]["reused_prompt_tokens"] == len(conversation) - 4
+    assert answer["token_ids"] == _expected(model_dir, conversation)
 
 
 def test_residual_tensors_reach_only_the_peers_that_consume_them(cluster):

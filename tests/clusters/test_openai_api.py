@@ -30,6 +30,7 @@ import pytest
 from netns import wait_for
 from openai import AuthenticationError, BadRequestError, NotFoundError, OpenAI
 from sharding import logits_along, reference, seed_shard_cache
+from streaming import only_kept
 
 from peerd.api.http_service import MAX_BODY_BYTES
 from peerd.api.openai_settings import DEFAULT_MAX_CONNECTIONS
@@ -339,7 +340,8 @@ def _tokens_to_stop(token_ids: list[int], stop: str, model_dir: Path) -> int:
 
 
 def _no_sequence_open(cluster: Cluster) -> bool:
-    return all((_status(d) or {}).get("dataplane", {}).get("sequences") == 0 for d in cluster.dirs)
+    statuses = [_status(d) for d in cluster.dirs]
+    return all(statuses) and only_kept([s["dataplane"] for s in statuses if s])
 
 
 @pytest.mark.cluster
