@@ -2,7 +2,7 @@
 
 1. Decode tokens/s of one model run whole in one process (the `peerd generate --parts 1`
    path) and split over three real daemons on loopback (separate `peerd start` processes,
-   CURVE-encrypted ZeroMQ, chat through the local socket), and their ratio (target >= 0.9).
+   CURVE-encrypted ZeroMQ, chat through the local socket), and their ratio (target >= 0.95).
    The two alternate, one answer each per round, so load from other processes on the
    machine hits both alike; the figures are medians over the rounds. The split's time per
    token is divided into the stages' compute (each stage's own figures for the answer,
@@ -54,7 +54,7 @@ from shards.manifest import Manifest
 from shards.sampling import SamplingParams
 
 PROMPT = [1, 17, 42, 99, 7, 250, 31, 64]
-TARGET = 0.9
+TARGET = 0.95
 IN_FLIGHT = {1: None, 2: None, 4: 2.5, 8: 3.5}  # answers at once: target against one
 CHAT_TURNS = [(300, 100), (200, 100), (200, 100), (200, 100), (200, 1)]  # (said, answered)
 TURN_TARGET = 1.2
