@@ -82,8 +82,12 @@ async def running_ring(manifest, unit_dir, limits: Limits, max_positions: int = 
     peers[0].answers.use(peers[0].plane)
     peers[0].chat.head = Head(peers[0].answers, None, frozenset(), max_positions,
                               manifest.model.vocab_size)
+    # both channels: a data socket whose handshake was refused (its peer had not admitted
+    # the key yet) is replaced after a delay, and until then the plane cannot send there
+    data_ready = protocol.SequenceStatsRequest(0, "ready")
     await asyncio.gather(
-        *(answered(p.transport, o.id) for p in peers for o in peers if o is not p)
+        *(answered(p.transport, o.id, msg=msg) for p in peers for o in peers if o is not p
+          for msg in (None, data_ready))
     )
     try:
         yield peers

@@ -342,21 +342,21 @@ class DataPlane:
                     ) from None
 
     def _next_step(self, running: _Running) -> None:
-        if self._handover is not None:
-            running.paused = True
-            running.done.set_result(None)
-            return
         self._wave.append(running)
         self._start_wave()
 
     def _start_wave(self) -> None:
         """Run the waiting answers' next steps, once no answer of the last wave is still
-        in flight."""
+        in flight; while the plane hands its answers over, pause them there instead."""
         if self._in_flight:
             return
         wave, self._wave = self._wave, []
         for running in wave:
             if running.done.done():
+                continue
+            if self._handover is not None:
+                running.paused = True
+                running.done.set_result(None)
                 continue
             step, inputs = running.generation.step_inputs()
             seq_id = running.generation.seq_id
