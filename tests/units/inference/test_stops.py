@@ -12,10 +12,24 @@ PIECES = st.lists(TEXT, max_size=12)
 STOPS = st.lists(st.text(alphabet="abc\n", min_size=1, max_size=4), max_size=4)
 
 
-def _expected(text: str, stops: list[str]) -> str:
-    """The text before the earliest stop string in it (all of it where none is)."""
-    found = [text.find(stop) for stop in stops if stop in text]
-    return text[: min(found)] if found else text
+def _expected(pieces: list[str], stops: list[str]) -> str:
+    """The text as the answer ends it: after the first piece that completes a stop string,
+    before the earliest stop string in the text so far (all of it where none appears). A
+    longer stop string that began earlier but would complete later never does: the answer
+    has ended."""
+    text = ""
+    for piece in pieces:
+        text += piece
+        found = [text.find(stop) for stop in stops if stop in text]
+        if found:
+            return text[: min(found)]
+    return text
+
+
+def test_a_stop_string_completed_first_ends_the_text_before_a_longer_one_can():
+    filter_ = StopStrings(["a", "baaa"])
+    assert [filter_.add(p) for p in ("b", "aa", "a")] == ["", "b", ""]
+    assert filter_.stopped and filter_.text == "b" == _expected(["b", "aa", "a"], ["a", "baaa"])
 
 
 @given(PIECES, STOPS)
@@ -27,7 +41,7 @@ def test_the_text_handed_out_ends_before_the_first_stop_string(pieces, stops):
     if not filter_.stopped:
         handed_out += filter_.end()
     full = "".join(pieces)
-    assert handed_out == filter_.text == _expected(full, stops)
+    assert handed_out == filter_.text == _expected(pieces, stops)
     assert filter_.stopped == any(stop in full for stop in stops)
 
 
@@ -35,7 +49,7 @@ def test_the_text_handed_out_ends_before_the_first_stop_string(pieces, stops):
 def test_nothing_handed_out_is_taken_back_and_only_the_start_of_a_stop_string_waits(pieces,
                                                                                     stops):
     filter_ = StopStrings(stops)
-    final = _expected("".join(pieces), stops)
+    final = _expected(pieces, stops)
     so_far = ""
     for piece in pieces:
         filter_.add(piece)
