@@ -57,15 +57,7 @@ class PrefixCache:
         over is neither given up nor counted: its positions are that answer's."""
         spared = self._best(sparing)
         keep = "" if spared is None else spared.seq_id
-        counted = lambda: self.tokens - len(self._kept.get(keep, ()))  # noqa: E731
-        gone = []
-        for seq_id in list(self._kept):
-            if counted() <= tokens:
-                break
-            if seq_id != keep:
-                del self._kept[seq_id]
-                gone.append(seq_id)
-        return gone
+        return self._evict(lambda: self.tokens - len(self._kept.get(keep, ())) > tokens, keep)
 
     def _best(self, prompt: Sequence[int]) -> Reuse | None:
         best: Reuse | None = None
@@ -74,9 +66,6 @@ class PrefixCache:
             if length >= MIN_REUSE and (best is None or length > best.length):
                 best = Reuse(seq_id, length)
         return best
-
-    def forget(self, seq_id: str) -> None:
-        self._kept.pop(seq_id, None)
 
     def clear(self) -> list[str]:
         """Give up every kept sequence; their ids."""
@@ -92,11 +81,15 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def _evict(self, over: Callable[[], bool]) -> list[str]:
+    def _evict(self, over: Callable[[], bool], spare: str = "") -> list[str]:
+        """Give up sequences, least recently used first but never `spare`, while `over()`."""
         gone = []
-        while self._kept and over():
-            seq_id, _ = self._kept.popitem(last=False)
-            gone.append(seq_id)
+        for seq_id in list(self._kept):
+            if not over():
+                break
+            if seq_id != spare:
+                del self._kept[seq_id]
+                gone.append(seq_id)
         return gone
 
 
