@@ -46,6 +46,7 @@ import numpy as np
 import onnxruntime as ort
 
 from shards import heap
+from shards.early_exit import EXIT_LOGITS, ExitPoint
 from shards.manifest import Manifest, StateSpec, Unit
 
 # ONNX Runtime's native module (what onnxruntime's Python classes wrap): untyped
@@ -109,14 +110,19 @@ class StageExecutor:
         last: int,
         options: ExecutorOptions | None = None,
         shelf: SessionShelf | None = None,
+        exit: ExitPoint | None = None,
     ) -> None:
         """Units [first, last] of `manifest`, their model files in `unit_dir` (a file
         named by an absolute path is found there). With `shelf`, a unit whose session
-        another executor of the shelf holds is not loaded again."""
+        another executor of the shelf holds is not loaded again. With `exit` (one of these
+        units), every step also gives the exit's logits of its last position
+        (`EXIT_LOGITS`): the head unit's file must be in `unit_dir` too."""
         if not 0 <= first <= last < len(manifest.units):
             raise ValueError(
                 f"unit range [{first}, {last}] is not within 0..{len(manifest.units) - 1}"
             )
+        if exit is not None and not first <= exit.unit <= last:
+            raise ValueError(f"the exit after layer {exit.layer} is not on units {first}-{last}")
         self.manifest = manifest
         self.first, self.last = first, last
         self.units: tuple[Unit, ...] = manifest.units[first : last + 1]
@@ -130,6 +136,11 @@ class StageExecutor:
             for u in self.units
         ]
         self._runs = [_NativeRun(session) for session in self._sessions]
+        self.exit = exit
+        self._exit_session = None if exit is None else shelf.session(
+            manifest, manifest.units[exit.head],
+            Path(unit_dir) / manifest.units[exit.head].model_file.name, options)
+        self._exit_run = None if self._exit_session is None else _NativeRun(self._exit_session)
         self._state: dict[str, dict[str, NativeValue]] = {}  # sequences held on their own
         self._batches: dict[str, _Batch] = {}  # sequences held in the batch they last ran in
         self._lock = threading.Lock()
@@ -152,7 +163,7 @@ class StageExecutor:
         new_state = self._run_units(values, state, unit_s)
         with self._lock:
             self._state[seq_id] = new_state
-        return {name: _numpy(values[name]) for name in self.outputs}
+        return self._outputs(values)
 
     def step_many(self, steps: Sequence[tuple[str, dict[str, np.ndarray]]],
                   unit_s: dict[int, float] | None = None) -> list[Outcome]:
@@ -220,9 +231,17 @@ class StageExecutor:
             for seq_id in seq_ids:
                 self._state.pop(seq_id, None)
                 self._batches[seq_id] = batch
-        outputs = {name: _numpy(values[name]) for name in self.outputs}
+        outputs = self._outputs(values)
         return [{name: out[b : b + 1] for name, out in outputs.items()}
                 for b in range(len(steps))]
+
+    def _outputs(self, values: dict[str, Value]) -> dict[str, np.ndarray]:
+        outputs = {name: _numpy(values[name]) for name in self.outputs}
+        if self.exit is not None and self._exit_run is not None:
+            last = np.ascontiguousarray(_numpy(values[self.exit.hidden])[:, -1:])
+            produced = self._exit_run({self.exit.head_input: _native(last)})
+            outputs[EXIT_LOGITS] = _numpy(next(iter(produced.values())))
+        return outputs
 
     def _batched_state(self, seq_ids: tuple[str, ...]) -> tuple[dict[str, Value], list[int]]:
         """The K/V of `seq_ids` as one batch, and each one's padding: as the last step left
@@ -375,6 +394,29 @@ class StageExecutor:
                 _owned(_unpadded(_numpy(kept[spec.input]), 0, 0, spec.seq_axis, length),
                        spec.dtype)
                 for spec in specs}
+
+    def truncate(self, seq_id: str, length: int) -> None:
+        """Keep only the first `length` positions of the sequence's K/V (the positions
+        of drafted tokens the full model rejected)."""
+        if length != self.length(seq_id):
+            self.fork(seq_id, seq_id, length)
+
+    @property
+    def holds_state(self) -> bool:
+        """Whether its units keep K/V between steps."""
+        return bool(self._state_specs())
+
+    def length(self, seq_id: str) -> int:
+        """Positions of K/V held for `seq_id` (0 for a sequence it does not hold)."""
+        specs = self._state_specs()
+        with self._lock:
+            if not specs or (seq_id not in self._state and seq_id not in self._batches):
+                return 0
+            batch = self._batches.get(seq_id)
+            if batch is not None:
+                row = batch.seq_ids.index(seq_id)
+                return _length(batch.state[specs[0].input], specs[0].seq_axis) - batch.pads[row]
+            return _length(self._state[seq_id][specs[0].input], specs[0].seq_axis)
 
     # -- helpers ---------------------------------------------------------------------------
     def _unit(self, unit_index: int) -> Unit:
@@ -534,6 +576,9 @@ def held_bytes(executors: Iterable[StageExecutor], held: Iterable[HeldUnit] = ()
     for executor in executors:
         for unit, session in zip(executor.units, executor._sessions, strict=True):
             weights[id(session)] = unit.weight_bytes
+        if executor.exit is not None:
+            weights[id(executor._exit_session)] = executor.manifest.units[
+                executor.exit.head].weight_bytes
         kv[id(executor)] = executor.kv_bytes()
     return sum(weights.values()) + sum(kv.values())
 

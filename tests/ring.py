@@ -16,6 +16,7 @@ from peerd.inference.serving import ChatService, Head, plane_of
 from peerd.wire import protocol
 from peerd.wire.identity import ClusterSecret, KeyPair
 from peerd.wire.transport import Endpoint, Transport
+from shards.early_exit import ExitSettings, stage_exit
 from shards.executor import SessionShelf, StageExecutor
 
 SECRET = ClusterSecret(b"d" * 32)
@@ -55,9 +56,10 @@ class Peer:
     def endpoint(self) -> Endpoint:
         return Endpoint(HOST, self.ports.control, self.ports.data, self.keys.public)
 
-    def add_plane(self, plan: str, manifest, stages=STAGES, executor=None) -> DataPlane:
+    def add_plane(self, plan: str, manifest, stages=STAGES, executor=None,
+                  exits: ExitSettings | None = None) -> DataPlane:
         plane = DataPlane(self.id, self.transport, stages, manifest, executor or self.executor,
-                          self.fp16_wire, self.limits, plan, self.planes)
+                          self.fp16_wire, self.limits, plan, self.planes, exits=exits)
         self.planes[plan] = plane
         return plane
 
@@ -67,17 +69,23 @@ class Peer:
 
 @contextlib.asynccontextmanager
 async def running_ring(manifest, unit_dir, limits: Limits, max_positions: int = 64,
-                       fp16_wire: bool = False):
-    peers = [Peer(peer_id, limits, fp16_wire) for peer_id, _, _ in STAGES]
+                       fp16_wire: bool = False, stages=STAGES,
+                       exits: ExitSettings | None = None):
+    """The peers of `stages` (peer, first unit, last unit); with `exits`, the head's stage
+    exits early."""
+    peers = [Peer(peer_id, limits, fp16_wire) for peer_id, _, _ in stages]
     for peer in peers:
         for other in peers:
             if other is not peer:
                 peer.transport.admit(other.keys.public)
                 peer.transport.connect(other.id, other.endpoint())
                 peer.names[other.keys.public] = other.id
-    for peer, (_, first, last) in zip(peers, STAGES, strict=True):
-        peer.executor = StageExecutor(manifest, unit_dir, first, last, shelf=peer.shelf)
-        peer.add_plane("1.1", manifest)
+    for peer, (_, first, last) in zip(peers, stages, strict=True):
+        point = (stage_exit(manifest, last, exits.layer)
+                 if exits is not None and first == 0 else None)
+        peer.executor = StageExecutor(manifest, unit_dir, first, last, shelf=peer.shelf,
+                                      exit=point)
+        peer.add_plane("1.1", manifest, stages, exits=exits)
         peer.chat.head_peer = "a"
     peers[0].answers.use(peers[0].plane)
     peers[0].chat.head = Head(peers[0].answers, None, frozenset(), max_positions,

@@ -26,6 +26,26 @@ def _ids(text: str) -> list[int]:
         ) from None
 
 
+def _add_early_exit(p: argparse.ArgumentParser, who: str) -> None:
+    p.add_argument(
+        "--early-exit", type=float, metavar="THETA",
+        help=f"{who} answers a token itself when the model's own final norm and LM head, "
+        "applied after --exit-layer layers, give it a probability of at least THETA (e.g. "
+        "0.8; off by default); the later stages still run the step, so their K/V stays the "
+        "full model's",
+    )
+    p.add_argument(
+        "--exit-layer", type=int, metavar="N",
+        help="decoder layers before the exit (default: all those of the first stage)",
+    )
+    p.add_argument(
+        "--speculative", type=int, default=0, metavar="N",
+        help=f"{who} drafts up to N tokens from the exit and the full model checks them in "
+        "one step: greedy answers stay exactly the full model's, with fewer trips through "
+        "the stages (off by default; greedy answers only)",
+    )
+
+
 def _add_state_dir(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--state-dir",
@@ -155,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="as leader, keep a deployed plan when load or battery change (default: move "
         "work when a better plan is predicted 15%% faster for a few seconds)",
     )
+    _add_early_exit(p, "this peer, when it holds the plan's first stage,")
     p.set_defaults(handler="peerd.daemon.start:cmd_start")
 
     p = sub.add_parser("stop", help="stop the local daemon cleanly")
@@ -183,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     _add_quant(p, "weights of the units")
     p.add_argument("--fp16-wire", action="store_true", help="float16 activations between stages")
+    _add_early_exit(p, "the first stage")
     p.add_argument("--json", action="store_true", help="print one JSON object when done")
     p.set_defaults(handler="peerd.commands.generate:cmd_generate")
 

@@ -18,10 +18,11 @@ import numpy as np
 
 from peerd.errors import PeerdError
 from peerd.inference.local_pipeline import LocalPipeline
-from peerd.inference.pipeline import Generation, StageWorker, TokenSampler
+from peerd.inference.pipeline import Generation, StageWorker
 from peerd.inference.routing import routes
 from shards.cache import ShardOptions
 from shards.cli import shard_or_reuse
+from shards.early_exit import ExitSettings, stage_exit
 from shards.errors import ModelError, NoTokenizer
 from shards.executor import ExecutorOptions, StageExecutor
 from shards.manifest import Manifest
@@ -38,11 +39,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling(args)
     if args.max_tokens < 1:
         raise PeerdError(f"--max-tokens must be at least 1, not {args.max_tokens}")
+    exits = exit_settings(args)
+    if exits.speculative and not params.greedy:
+        raise PeerdError("--speculative checks drafts greedily: use it with --temperature 0")
     prompt = _prompt_ids(args, model_dir)
     shards = shard_or_reuse(model_dir, None, ShardOptions(quant=args.quant))
     manifest = shards.manifest
     pipeline = build_pipeline(manifest, shards.directory, args.parts, args.fp16_wire,
-                              GENERATE_OPTIONS)
+                              GENERATE_OPTIONS, exits)
     run = generate(pipeline, manifest, prompt, args.max_tokens, params)
     text = _decode(model_dir, run.token_ids)
     stats = {**run.stats, "parts": args.parts, "units": len(manifest.units),
@@ -64,19 +68,35 @@ def split_units(unit_count: int, parts: int) -> list[tuple[int, int]]:
     return [(int(a), int(b) - 1) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
+def exit_settings(args: argparse.Namespace) -> ExitSettings:
+    """--early-exit, --exit-layer and --speculative, checked."""
+    try:
+        return ExitSettings(args.early_exit, args.speculative, args.exit_layer)
+    except ValueError as exc:
+        raise PeerdError(str(exc)) from None
+
+
 def build_pipeline(
     manifest: Manifest, directory: Path, parts: int, fp16_wire: bool = False,
-    options: ExecutorOptions | None = None,
+    options: ExecutorOptions | None = None, exits: ExitSettings | None = None,
 ) -> LocalPipeline:
+    exits = exits or ExitSettings()
     ranges = split_units(len(manifest.units), parts)
+    point = None
+    if exits.enabled:
+        try:
+            point = stage_exit(manifest, ranges[0][1], exits.layer)
+        except ValueError as exc:
+            raise PeerdError(f"{exc}; give a smaller --exit-layer or fewer --parts") from None
     workers = [
-        StageWorker(stage, StageExecutor(manifest, directory, a, b, options), stage_routes,
-                    fp16_wire)
+        StageWorker(stage, StageExecutor(manifest, directory, a, b, options,
+                                         exit=point if stage == 0 else None),
+                    stage_routes, fp16_wire)
         for stage, ((a, b), stage_routes) in enumerate(
             zip(ranges, routes(manifest, ranges), strict=True)
         )
     ]
-    return LocalPipeline(workers)
+    return LocalPipeline(workers, exits)
 
 
 @dataclass
@@ -86,18 +106,18 @@ class Run:
     stats: dict = field(default_factory=dict)
 
 
-class _RecordingSampler(TokenSampler):
-    """Keeps every sampled logits row and when it was sampled."""
+@dataclass
+class _Recorder:
+    """Every new token's logits row, and when it came."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[np.ndarray] = []
-        self.times: list[float] = []
+    rows: list[np.ndarray] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
 
-    def sample(self, seq_id: str, logits: np.ndarray) -> int:
-        self.rows.append(np.array(logits[0, -1]))
-        self.times.append(time.perf_counter())
-        return super().sample(seq_id, logits)
+    def __call__(self, generation: Generation, tokens: list[int], rows: np.ndarray) -> None:
+        now = time.perf_counter()
+        for row in rows[: len(tokens)]:
+            self.rows.append(np.array(row))
+            self.times.append(now)
 
 
 def generate(
@@ -110,16 +130,15 @@ def generate(
 ) -> Run:
     """One generation through the pipeline; stops after max_tokens or at an EOS token."""
     _check_lengths(manifest, prompt, max_tokens)
-    sampler = _RecordingSampler()
-    pipeline.sampler = sampler
+    recorder = pipeline.on_tokens = _Recorder()
     stops = frozenset(manifest.model.eos_token_ids) if stop_at_eos else frozenset()
     generation = Generation("generate", list(prompt), max_tokens, stops)
     started = time.perf_counter()
     wire_before = pipeline.wire_bytes
     pipeline.generate([(generation, params)])
-    prefill = sampler.times[0] - started
-    decode = sampler.times[-1] - sampler.times[0]
-    decoded = len(sampler.times) - 1
+    prefill = recorder.times[0] - started
+    decode = recorder.times[-1] - recorder.times[0]
+    decoded = len(recorder.times) - 1
     stats = {
         "prompt_tokens": len(prompt),
         "generated_tokens": len(generation.tokens),
@@ -128,7 +147,16 @@ def generate(
         "decode_tokens_per_second": round(decoded / decode, 3) if decoded and decode else None,
         "wire_bytes": pipeline.wire_bytes - wire_before,
     }
-    return Run(generation.tokens, sampler.rows, stats)
+    if pipeline.exits.enabled:
+        stats["exit"] = exit_stats(pipeline, generation)
+    return Run(generation.tokens, recorder.rows, stats)
+
+
+def exit_stats(pipeline: LocalPipeline, generation: Generation) -> dict:
+    point = pipeline.workers[0].executor.exit
+    return {"layer": None if point is None else point.layer,
+            "threshold": pipeline.exits.threshold, "speculative": pipeline.exits.speculative,
+            **generation.exit_stats}
 
 
 def _check_lengths(manifest: Manifest, prompt: list[int], max_tokens: int) -> None:

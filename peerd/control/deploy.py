@@ -41,6 +41,7 @@ from peerd.control.unit_store import UnitStore
 from peerd.control.unit_transfer import CHUNK_BYTES, Ask, fetch_file
 from peerd.wire.protocol import DeployReport, PlanAssignment, PlanStage
 from peerd.wire.states import DeployState
+from shards.early_exit import ExitPoint, ExitSettings, last_exit_layer, stage_exit
 from shards.executor import ExecutorOptions, HeldUnit, SessionShelf, StageExecutor
 from shards.manifest import Manifest, ManifestError, Unit, UnitFile
 
@@ -81,11 +82,13 @@ class Deployment:
         local_files: Callable[[], Mapping[str, Path]] = dict,
         chunk_bytes: int = CHUNK_BYTES,
         unit_clock: UnitClock | None = None,
+        exits: ExitSettings | None = None,
     ):
         """`ask(peer)` sends a chunk request to that peer and returns its answer; `report`
         delivers a DeployReport to the leader; `local_files` are unit files this peer has
         without fetching (sha256 -> path: the model peer's shard directory); `unit_clock`
-        gets the time of each unit's warm-up step."""
+        gets the time of each unit's warm-up step; with `exits`, a first stage also loads
+        the head unit, to run it on the exit's hidden state."""
         self.me = me
         self.store = store
         self._ask = ask
@@ -93,6 +96,7 @@ class Deployment:
         self._local_files = local_files
         self._chunk_bytes = chunk_bytes
         self.unit_clock = unit_clock or UnitClock()
+        self.exits = exits or ExitSettings()
         self.sessions = SessionShelf()  # the unit sessions of this peer's stages, old and new
         self._options = ExecutorOptions()  # of its stages' sessions and its copies' alike
         self.copies: dict[int, HeldUnit] = {}  # the movable copies it holds, by unit index
@@ -177,7 +181,10 @@ class Deployment:
             self._set(DeployState.READY, detail="units already loaded")
             await self._hold_copies(model_peer, manifest, stage)
             return
+        point = self._exit(manifest, stage)
         units = manifest.units[stage.first : stage.last + 1]
+        if point is not None:
+            units = (*units, manifest.units[point.head])
         paths, missing = await self._unit_paths(units)
         if missing:
             await self._fetch(model_peer, missing)
@@ -185,13 +192,27 @@ class Deployment:
         self.loaded = None  # its plane holds the old stage until the new one is live
         executor = await asyncio.to_thread(
             StageExecutor, _at_paths(manifest, paths), self.store.root, stage.first, stage.last,
-            self._options, self.sessions,
+            self._options, self.sessions, point,
         )
         await self._warm_up(manifest, executor)
         self.loaded = LoadedStage(manifest, stage.first, stage.last, executor)
         log.info("plan %d: loaded units %s", plan.plan_id, _range(stage))
         self._set(DeployState.READY, detail=f"loaded units {_range(stage)}")
         await self._hold_copies(model_peer, manifest, stage)
+
+    def _exit(self, manifest: Manifest, stage: PlanStage) -> ExitPoint | None:
+        """Where the first stage exits early, if asked to: after --exit-layer layers, or
+        after its last whole layer where it holds fewer (a plan may give it fewer)."""
+        if not self.exits.enabled or stage.first != 0:
+            return None
+        deepest = last_exit_layer(manifest, stage.last)
+        layer = min(self.exits.layer or deepest, deepest)
+        if layer == 0:
+            log.warning("no early exit: units %s hold no whole decoder layer", _range(stage))
+            return None
+        if layer != (self.exits.layer or layer):
+            log.warning("early exit after layer %d: units %s end there", layer, _range(stage))
+        return stage_exit(manifest, stage.last, layer)
 
     async def _hold_copies(self, model_peer: str, manifest: Manifest, stage: PlanStage) -> None:
         """Fetch and load the stage's movable copies, without a word to the leader: the

@@ -33,6 +33,7 @@ from peerd.wire import protocol
 from peerd.wire.states import ModelState
 from peerd.wire.transport import Incoming, Transport
 from planner.model import Prediction
+from shards.early_exit import ExitSettings
 from shards.manifest import Quant
 
 log = logging.getLogger("peerd.control.plans")
@@ -45,10 +46,12 @@ class Plans:
                  model: Path | None, quant: Quant, objective: str, rebalancing: bool,
                  spawn: Spawn, listener: Callable[[PlanEvent], None],
                  on_new_plan: Callable[[protocol.PlanAssignment], None],
-                 on_deployed: Callable[[], None], unit_clock: UnitClock | None = None):
+                 on_deployed: Callable[[], None], unit_clock: UnitClock | None = None,
+                 exits: ExitSettings | None = None):
         """`listener` hears StageLoaded and PlanLive; `on_new_plan` each plan new to this
         peer; `on_deployed` that the leader's current plan has every stage loaded;
-        `unit_clock` gets the units' warm-up times."""
+        `unit_clock` gets the units' warm-up times; `exits` places an early exit on this
+        peer's stage when it is the first."""
         self.cluster = cluster
         self.transport = transport
         self._spawn = spawn
@@ -59,6 +62,7 @@ class Plans:
         self.deployment = Deployment(
             cluster.me, UnitStore(state_dir / UNITS_DIR), self._unit_asker,
             self._send_deploy_report, local_files=self._served_files, unit_clock=unit_clock,
+            exits=exits,
         )
         self.watch = PlanWatch(self.deployment, listener)
         self._rescore: tuple[protocol.ClusterReport, str, Prediction | None] | None = None

@@ -19,6 +19,7 @@ from peerd.cluster.monitor import parse_size
 from peerd.daemon.wiring import Daemon, Options
 from peerd.errors import PeerdError
 from peerd.wire.identity import load_identity, load_secret
+from shards.early_exit import ExitSettings
 from shards.gguf.file import SUFFIX as GGUF_SUFFIX
 from shards.gguf.file import is_gguf
 
@@ -31,6 +32,10 @@ def options_from_args(args: argparse.Namespace) -> Options:
             raise PeerdError(f"--interface {args.interface!r} is not an IP address") from None
     if not 0 <= args.port <= 65533:
         raise PeerdError(f"--port {args.port} is out of range (it uses PORT..PORT+2)")
+    try:
+        exits = ExitSettings(args.early_exit, args.speculative, args.exit_layer)
+    except ValueError as exc:
+        raise PeerdError(str(exc)) from None
     model = Path(args.model) if args.model else None
     if model and not (model.is_dir() or (model.is_file() and is_gguf(model))):
         raise PeerdError(f"--model {args.model} is neither a checkpoint directory nor a "
@@ -48,6 +53,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         model=args.model,
         quant=args.quant,
         openai=openai_settings.settings_from_args(args),
+        exits=exits,
     )
 
 

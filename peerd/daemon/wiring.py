@@ -38,6 +38,7 @@ from peerd.inference.serving import Serving
 from peerd.wire import protocol
 from peerd.wire.identity import ClusterSecret, Identity
 from peerd.wire.transport import Incoming, Transport, TransportError
+from shards.early_exit import ExitSettings
 from shards.manifest import Quant
 from shards.source import open_model
 
@@ -68,6 +69,7 @@ class Options:
     rebalance: bool = True  # as leader, move work when load or battery change
     objective: str = "throughput"  # what this peer's plans optimise while it leads
     openai: openai_settings.Settings | None = None  # the OpenAI-compatible endpoint, if served
+    exits: ExitSettings = ExitSettings()  # early exit, when this peer holds the first stage
 
 
 class Daemon:
@@ -93,12 +95,13 @@ class Daemon:
             measuring.Timing(options.measure_interval_s, options.links_interval_s,
                              options.probe_bytes),
         )
-        self.serving = Serving(identity.id, self.transport, model, fp16_wire=options.fp16_wire)
+        self.serving = Serving(identity.id, self.transport, model, fp16_wire=options.fp16_wire,
+                               exits=options.exits)
         self.plans = Plans(
             self.cluster, self.transport, options.state_dir, model, options.quant,
             options.objective, options.rebalance, self._spawn, self.serving.on_plan,
             on_new_plan=self._publish_plan, on_deployed=self.measuring.remeasure,
-            unit_clock=self.serving.unit_clock,
+            unit_clock=self.serving.unit_clock, exits=options.exits,
         )
         self.measuring.on_report(self.plans.watch.measured)
         self.ops = ops.LocalOps(self.status, self.events, self.serving.chat.op_chat,

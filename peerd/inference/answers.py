@@ -61,6 +61,7 @@ class Answered:
     resumed: int  # times the answer moved to a new plan
     kv_moved: int = 0  # of those, the moves that took its K/V along (the rest re-prefilled)
     reused: int = 0  # prompt positions whose K/V came from an earlier answer
+    exits: dict | None = None  # what the exit did (DataPlane.exit_stats), where there is one
 
 
 @dataclass
@@ -130,7 +131,8 @@ class Answers:
                 plane = await self._plane(avoid=left)
             try:
                 stages = await plane.run(generation, request.params, on_token)
-                return Answered(generation.tokens, stages, resumed, kv_moved, generation.reused)
+                return Answered(generation.tokens, stages, resumed, kv_moved, generation.reused,
+                                plane.exit_stats(generation))
             except Moved as moved:
                 log.info("answer %s moved to plan %s with its K/V after %d tokens",
                          generation.seq_id, moved.plane.plan, len(generation.tokens))

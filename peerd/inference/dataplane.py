@@ -44,7 +44,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from peerd.cluster.unit_clock import UnitClock
@@ -53,9 +53,12 @@ from peerd.inference.pipeline import (
     Generation,
     NewToken,
     StageWorker,
+    Step,
     StepDone,
     TokenLogprobs,
     TokenSampler,
+    draft,
+    exit_token,
 )
 from peerd.inference.prefixes import MIN_REUSE, PrefixCache
 from peerd.inference.routing import routes
@@ -77,6 +80,7 @@ from peerd.wire.protocol import (
     StageData,
 )
 from peerd.wire.transport import Transport, TransportError
+from shards.early_exit import ExitSettings
 from shards.executor import StageExecutor
 from shards.manifest import Manifest
 from shards.sampling import SamplingParams
@@ -135,8 +139,11 @@ class _Running:
     on_token: OnToken
     done: asyncio.Future
     active_at: float
+    params: SamplingParams
     paused: bool = False  # stopped at a token boundary, to move to the handover plane
     last_token_at: float | None = None  # on this plane
+    drafts: list[int] = field(default_factory=list)  # what the step under way checks
+    checked: asyncio.Event = field(default_factory=asyncio.Event)  # no exited step unchecked
 
 
 @dataclass
@@ -144,7 +151,7 @@ class _Gathering:
     """The steps of one batch of another stage that have arrived, waiting for the rest."""
 
     size: int
-    steps: list[tuple[str, int, dict, float]]  # (seq_id, step, inputs, ready_at)
+    steps: list[tuple[Step, float]]  # (step, ready_at)
     timer: asyncio.TimerHandle
 
 
@@ -152,9 +159,7 @@ class _Gathering:
 class _Ready:
     """A step whose inputs are all here, waiting for the compute thread."""
 
-    seq_id: str
-    step: int
-    inputs: dict
+    step: Step
     done: asyncio.Future[StepDone]
 
 
@@ -188,8 +193,10 @@ class DataPlane:
         plan: str = "local",
         siblings: Mapping[str, DataPlane] | None = None,
         unit_clock: UnitClock | None = None,
+        exits: ExitSettings | None = None,
     ) -> None:
-        """`unit_clock` records how long each unit of this stage takes per decode step."""
+        """`unit_clock` records how long each unit of this stage takes per decode step;
+        `exits` is what the head does with the exit of its executor, where it has one."""
         self.plan = plan
         self.model = manifest.key
         self.peers = [peer for peer, _, _ in stages]
@@ -201,6 +208,8 @@ class DataPlane:
         self.transport = transport
         self.limits = limits or Limits()
         self.sampler = TokenSampler()
+        self.exits = exits or ExitSettings()
+        self.exit_sampler = TokenSampler()  # the head's, for the exit's tokens
         self.unit_clock = unit_clock or UnitClock()
         self.answer_clock = AnswerClock()  # the head's answers on this plan
         self.closed = False
@@ -252,15 +261,17 @@ class DataPlane:
         await self._reuse(generation)
         seq_id = generation.seq_id
         loop = asyncio.get_running_loop()
-        running = _Running(generation, on_token, loop.create_future(), time.monotonic())
+        running = _Running(generation, on_token, loop.create_future(), time.monotonic(), params)
         self.answer_clock.begin(running.active_at, idle=not self._running)
         self._running[seq_id] = running
+        self.exit_sampler.open(seq_id, params, len(generation.tokens))
         kept = False
         try:
             await self._open(seq_id, params, len(generation.tokens))
             if not running.done.done():
                 self._next_step(running)
             await self._until_done(running)
+            await self._until_checked(running)
             if running.paused:
                 raise await self._move(generation)
             costs = await self._costs_of(seq_id)
@@ -268,6 +279,7 @@ class DataPlane:
             return costs
         finally:
             self._running.pop(seq_id, None)
+            self.exit_sampler.close(seq_id)
             self._landed(seq_id)
             if not kept:
                 self._end(seq_id)
@@ -297,6 +309,14 @@ class DataPlane:
 
     async def _fork_at(self, peer: str, fork: SequenceFork) -> str | None:
         return self._forked_here(fork) if peer == self.me else await self._asked(peer, fork)
+
+    def exit_stats(self, generation: Generation) -> dict | None:
+        """What the exit did for an answer, where this plane's head has one."""
+        point = self.worker.executor.exit
+        if point is None or not self.is_head:
+            return None
+        return {"layer": point.layer, "threshold": self.exits.threshold,
+                "speculative": self.exits.speculative, **generation.exit_stats}
 
     def _keep(self, generation: Generation) -> bool:
         """Keep a finished answer's K/V on the stages for its conversation's next turn;
@@ -341,6 +361,19 @@ class DataPlane:
                         f"no token for {stall:.0f}s: a peer of the plan stopped answering"
                     ) from None
 
+    async def _until_checked(self, running: _Running) -> None:
+        """Wait for the full model's tokens of the steps the exit answered: the stages
+        behind the exit have then run every step (their K/V is whole, to keep or move)."""
+        while running.generation.unchecked:
+            running.checked.clear()
+            waited = time.monotonic() - running.active_at
+            try:
+                await asyncio.wait_for(running.checked.wait(),
+                                       max(self.limits.stall_s - waited, 0.0))
+            except TimeoutError:
+                if time.monotonic() - running.active_at >= self.limits.stall_s:
+                    raise GenerationError("the stages behind the exit stopped answering") from None
+
     def _next_step(self, running: _Running) -> None:
         self._wave.append(running)
         self._start_wave()
@@ -358,13 +391,29 @@ class DataPlane:
                 running.paused = True
                 running.done.set_result(None)
                 continue
-            step, inputs = running.generation.step_inputs()
-            seq_id = running.generation.seq_id
-            self._in_flight.add(seq_id)
-            # a decode step is under way from its token's arrival: streaming it counts
-            ready_at = running.last_token_at
-            self._spawn(self._run(seq_id, step, inputs,
-                                  time.monotonic() if ready_at is None else ready_at))
+            self._step_now(running)
+
+    def _step_now(self, running: _Running) -> None:
+        self._in_flight.add(running.generation.seq_id)
+        # a decode step is under way from its token's arrival: streaming it counts
+        ready_at = running.last_token_at
+        self._spawn(self._advance(running, time.monotonic() if ready_at is None else ready_at))
+
+    async def _advance(self, running: _Running, ready_at: float) -> None:
+        """Run the answer's next step, with the exit's drafts where it drafts."""
+        running.drafts = await self._drafts(running)
+        await self._run(running.generation.next_step(running.drafts), ready_at)
+
+    async def _drafts(self, running: _Running) -> list[int]:
+        """The exit's guesses of the next tokens for the full model to check (speculative
+        decoding: greedy answers that ask no log-probabilities, once they have a token)."""
+        generation, executor = running.generation, self.worker.executor
+        count = min(self.exits.speculative, generation.max_tokens - len(generation.tokens) - 1)
+        if (count <= 0 or executor.exit is None or not generation.tokens
+                or not running.params.greedy or running.params.logprobs is not None):
+            return []
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._compute, draft, executor, generation, count)
 
     def _landed(self, seq_id: str) -> None:
         """The answer's step is no longer under way: its token came, or it ended."""
@@ -373,28 +422,65 @@ class DataPlane:
         self._start_wave()
 
     def _on_token(self, seq_id: str, step: int, token: int,
-                  logprobs: TokenLogprobs | None) -> None:
+                  logprobs: TokenLogprobs | None, checks: tuple[int, ...] = ()) -> None:
         running = self._running.get(seq_id)
-        if running is None or running.done.done():
+        if running is None:
             return  # cancelled or retired meanwhile
-        self._in_flight.discard(seq_id)
         generation = running.generation
+        if generation.check(step, token):  # the full model's token of a step the exit gave
+            running.active_at = time.monotonic()
+            if not generation.unchecked:
+                running.checked.set()
+            return
+        if running.done.done():
+            return
+        self._in_flight.discard(seq_id)
         try:
-            finished = generation.record(step, token)
+            if running.drafts or checks:
+                new = generation.verified(step, running.drafts, checks, token)
+            else:
+                generation.record(step, token)
+                new = [token]
         except ValueError as exc:
             self._fail(seq_id, str(exc))
             return
-        now = running.active_at = time.monotonic()
-        last, running.last_token_at = running.last_token_at, now
-        self.answer_clock.token(now, None if last is None else now - last,
-                                alone=len(self._running) == 1)
-        if running.on_token(NewToken(token, logprobs, finished)) and not finished:
-            generation.stopped = finished = True
-        if finished:
-            running.done.set_result(None)
+        self._tell(running, new, logprobs)
+        if running.done.done():
             self._start_wave()
         else:
             self._next_step(running)
+
+    def _on_exit(self, running: _Running, step: int, token: int) -> None:
+        """The exit answered the step: the token streams now, and the answer's next step
+        starts without waiting for the stages behind the exit, which run this one still."""
+        generation = running.generation
+        self._in_flight.discard(generation.seq_id)
+        try:
+            generation.record(step, token, exited=True)
+        except ValueError as exc:
+            self._fail(generation.seq_id, str(exc))
+            return
+        self._tell(running, [token], None)
+        self._start_wave()  # the answers that waited for this one
+        if not running.done.done():
+            self._step_now(running)
+
+    def _tell(self, running: _Running, tokens: list[int],
+              logprobs: TokenLogprobs | None) -> None:
+        """Stream an answer's new tokens; it is done once finished (or stopped by its
+        caller)."""
+        generation = running.generation
+        now = running.active_at = time.monotonic()
+        for index, token in enumerate(tokens):
+            last, running.last_token_at = running.last_token_at, now
+            self.answer_clock.token(now, None if last is None else now - last,
+                                    alone=len(self._running) == 1)
+            final = generation.finished and index == len(tokens) - 1
+            if running.on_token(NewToken(token, logprobs, final)) and not final:
+                generation.stop_after(len(generation.tokens) - len(tokens) + index + 1)
+                break
+        if generation.finished:
+            running.done.set_result(None)
 
     def _fail(self, seq_id: str, reason: str) -> None:
         running = self._running.get(seq_id)
@@ -482,7 +568,8 @@ class DataPlane:
         ):
             self._end(message.seq_id)  # a sequence no answer runs: free it on every stage
         elif isinstance(message, SequenceToken) and self.is_head:
-            self._on_token(message.seq_id, message.step, message.token, _logprobs(message))
+            self._on_token(message.seq_id, message.step, message.token, _logprobs(message),
+                           message.checks)
         elif isinstance(message, SequenceFailed) and self.is_head:
             self._fail(message.seq_id, message.reason)
         elif isinstance(message, SequenceDrop):
@@ -569,14 +656,14 @@ class DataPlane:
         if self.closed:
             return
         try:
-            inputs = self.worker.accept(source, message)
+            ask = self.worker.accept(source, message)
         except ValueError as exc:
             log.warning("dropped stage data: %s", exc)
             self._spawn(self._report_failure(message.seq_id, str(exc)))
             return
-        if inputs is None:
+        if ask is None:
             return
-        step = (message.seq_id, message.step, inputs, time.monotonic())
+        step = (ask, time.monotonic())
         if message.batch_size == 1:
             self._spawn(self._run(*step))
             return
@@ -599,12 +686,13 @@ class DataPlane:
         for step in gathering.steps:
             self._spawn(self._run(*step))
 
-    async def _run(self, seq_id: str, step: int, inputs: dict, ready_at: float) -> None:
+    async def _run(self, ask: Step, ready_at: float) -> None:
         """Run a step whose inputs were all here at `ready_at` (monotonic seconds)."""
+        seq_id, step = ask.seq_id, ask.step
         self._live.add(seq_id)
         self._computing.add(seq_id)
         try:
-            done = await self._computed(seq_id, step, inputs)
+            done = await self._computed(ask)
         except Exception as exc:  # ONNX Runtime's errors derive from Exception alone
             await self._report_failure(seq_id, f"stage {self.stage}, step {step}: {exc}")
             return
@@ -613,6 +701,11 @@ class DataPlane:
         if seq_id in self._ended or self.closed:
             self.worker.drop(seq_id)
             return
+        running = self._running.get(seq_id)
+        if done.exit_logits is not None and running is not None and not running.done.done():
+            token = exit_token(self.exits, self.exit_sampler, seq_id, done.exit_logits)
+            if token is not None:
+                self._on_exit(running, step, token)
         cost = self._costs.setdefault(seq_id, _SequenceCost())
         cost.add(done)
         started = time.perf_counter()
@@ -631,16 +724,17 @@ class DataPlane:
                 await self._report_failure(seq_id, f"stage {self.stage}: {seq_id} was not opened")
                 return
             token = self.sampler.sample(seq_id, done.logits)
+            checks = self.sampler.checks(done.logits, done.rows)
             await self._emit_token(seq_id, step, token,
-                                   self.sampler.logprobs(seq_id, done.logits, token))
+                                   self.sampler.logprobs(seq_id, done.logits, token), checks)
         if step > 0:  # the planner prices decode steps; step 0 is the prefill
             outside = time.monotonic() - ready_at - sum(done.unit_s.values())
             self.unit_clock.record(self.model, done.unit_s, outside)
 
-    async def _computed(self, seq_id: str, step: int, inputs: dict) -> StepDone:
+    async def _computed(self, step: Step) -> StepDone:
         """The step, run on the compute thread together with every other step ready when
-        the thread takes it."""
-        ready = _Ready(seq_id, step, inputs, asyncio.get_running_loop().create_future())
+        the thread takes it (of each sequence, the next in order)."""
+        ready = _Ready(step, asyncio.get_running_loop().create_future())
         self._ready.append(ready)
         if not self._computes:
             self._computes = True
@@ -650,9 +744,11 @@ class DataPlane:
     async def _compute_ready(self) -> None:
         loop = asyncio.get_running_loop()
         try:
-            while self._ready:
-                batch, self._ready = self._ready, []
-                steps = [(ready.seq_id, ready.step, ready.inputs) for ready in batch]
+            while True:
+                batch, self._ready = self.worker.due(self._ready, lambda ready: ready.step)
+                if not batch:
+                    return
+                steps = [ready.step for ready in batch]
                 outcomes = await loop.run_in_executor(self._compute, self.worker.run_many, steps)
                 for ready, outcome in zip(batch, outcomes, strict=True):
                     if ready.done.done():
@@ -665,11 +761,11 @@ class DataPlane:
             self._computes = False
 
     async def _emit_token(self, seq_id: str, step: int, token: int,
-                          logprobs: TokenLogprobs | None) -> None:
+                          logprobs: TokenLogprobs | None, checks: tuple[int, ...]) -> None:
         if self.is_head:
-            self._on_token(seq_id, step, token, logprobs)
+            self._on_token(seq_id, step, token, logprobs, checks)
             return
-        message = _token_message(seq_id, step, token, logprobs)
+        message = _token_message(seq_id, step, token, logprobs, checks)
         try:
             await self.transport.deliver(self.peers[0], message, self.limits.send_timeout_s)
         except TransportError as exc:
@@ -700,6 +796,9 @@ class DataPlane:
         self._costs.pop(seq_id, None)
         self.sampler.close(seq_id)
         self.worker.drop(seq_id)
+        for ready in [r for r in self._ready if r.step.seq_id == seq_id]:
+            self._ready.remove(ready)
+            ready.done.cancel()  # a step waiting for an earlier one that will not come
         self._quiet.set()
 
     # -- lifetime ----------------------------------------------------------------------------
@@ -746,12 +845,13 @@ class DataPlane:
 
 
 
-def _token_message(seq_id: str, step: int, token: int,
-                   logprobs: TokenLogprobs | None) -> SequenceToken:
+def _token_message(seq_id: str, step: int, token: int, logprobs: TokenLogprobs | None,
+                   checks: tuple[int, ...]) -> SequenceToken:
     if logprobs is None:
-        return SequenceToken(seq_id, step, token)
+        return SequenceToken(seq_id, step, token, checks=checks)
     return SequenceToken(seq_id, step, token, logprobs.logprob,
-                         tuple(i for i, _ in logprobs.top), tuple(lp for _, lp in logprobs.top))
+                         tuple(i for i, _ in logprobs.top), tuple(lp for _, lp in logprobs.top),
+                         checks)
 
 
 def _logprobs(message: SequenceToken) -> TokenLogprobs | None:

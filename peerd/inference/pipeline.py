@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from peerd.inference.routing import Route, StageRoutes
 from peerd.wire.protocol import StageData
 from shards import heap
+from shards.early_exit import EXIT_LOGITS, ExitSettings, confidence
 from shards.executor import StageExecutor
 from shards.sampling import Ranked, Sampler, SamplingParams, token_logprobs
 
@@ -57,6 +60,20 @@ class StageCounters:
     received_bytes: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Step:
+    """One forward pass of one sequence, as the head asked for it."""
+
+    seq_id: str
+    step: int  # forward passes of the sequence before this one
+    inputs: Tensors
+    past: int | None = None  # K/V positions it continues from: each stage drops any beyond
+    rows: int = 1  # positions whose tokens the last stage gives (a speculative check)
+
+
+W = TypeVar("W")
+
+
 @dataclass
 class StepDone:
     stage: int
@@ -68,6 +85,8 @@ class StepDone:
     sequential_bytes: int  # sent to the next stage
     residual_bytes: int  # sent to later stages
     unit_s: dict[int, float] = field(default_factory=dict)  # each unit's seconds, its batch's
+    exit_logits: np.ndarray | None = None  # on the stage with the early exit: [1, 1, vocab]
+    rows: int = 1  # positions whose tokens the last stage gives
 
 
 class StageWorker:
@@ -88,9 +107,11 @@ class StageWorker:
         self.plan = plan  # stamped on every message, see StageData.plan
         self.counters = StageCounters()
         self._pending: dict[tuple[str, int], dict[int, Tensors]] = {}
+        self._next: dict[str, int] = {}  # the step each sequence runs next
 
-    def accept(self, source: int, message: StageData) -> Tensors | None:
-        """Record a message; the stage's complete inputs once every expected source sent."""
+    def accept(self, source: int, message: StageData) -> Step | None:
+        """Record a message; the step with its complete inputs once every expected source
+        sent."""
         expected = self.routes.expects.get(source)
         if expected is None:
             raise ValueError(f"stage {self.stage} expects nothing from stage {source}")
@@ -108,42 +129,87 @@ class StageWorker:
         if len(arrived) < len(self.routes.expects):
             return None
         del self._pending[key]
-        return {name: t for tensors in arrived.values() for name, t in tensors.items()}
+        inputs = {name: t for tensors in arrived.values() for name, t in tensors.items()}
+        return Step(message.seq_id, message.step, inputs, message.past, message.rows)
 
-    def run(self, seq_id: str, step: int, inputs: Tensors) -> StepDone:
+    def due(self, waiting: list[W], step_of: Callable[[W], Step]) -> tuple[list[W], list[W]]:
+        """The waiting steps to run now, and those that wait on: a sequence's steps run in
+        order, one per batch (its K/V must hold the previous step's positions). A step the
+        sequence has run already is due, and fails (run_many)."""
+        due: list[W] = []
+        later: list[W] = []
+        taken: set[str] = set()
+        for item in waiting:
+            step = step_of(item)
+            if step.step <= self._next.get(step.seq_id, 0) and step.seq_id not in taken:
+                taken.add(step.seq_id)
+                due.append(item)
+            else:
+                later.append(item)
+        return due, later
+
+    def run(self, step: Step) -> StepDone:
         """Run the stage's units on complete inputs and build the messages to send."""
-        done = self.run_many([(seq_id, step, inputs)])[0]
+        done = self.run_many([step])[0]
         if isinstance(done, Exception):
             raise done
         return done
 
-    def run_many(self, steps: list[tuple[str, int, Tensors]]) -> list[StepDone | Exception]:
+    def run_many(self, steps: list[Step]) -> list[StepDone | Exception]:
         """Run the steps of several sequences at once (one batch per number of new tokens,
         StageExecutor.step_many) and build each one's messages; a step that failed has its
         exception in its place."""
         started = time.perf_counter()
         unit_s: dict[int, float] = {}
         wanted = self.executor.inputs
-        outputs = self.executor.step_many(
-            [(seq_id, {n: inputs[n] for n in wanted}) for seq_id, _, inputs in steps], unit_s)
+        refused = {index: exc for index, step in enumerate(steps)
+                   if (exc := self._refused(step)) is not None}
+        runnable = [step for index, step in enumerate(steps) if index not in refused]
+        outputs = iter(self.executor.step_many(
+            [(step.seq_id, {n: step.inputs[n] for n in wanted}) for step in runnable], unit_s))
         share = (time.perf_counter() - started) / len(steps)
-        if any(step == 0 for _, step, _ in steps):
+        if any(step.step == 0 for step in steps):
             heap.trim()  # a prefill's activations: freed, but resident until handed back
         self.counters.batches += 1
-        ran = sum(not isinstance(produced, Exception) for produced in outputs)
+        produced = [refused[index] if index in refused else next(outputs)
+                    for index in range(len(steps))]
+        ran = sum(not isinstance(outcome, Exception) for outcome in produced)
         batch = Batch(uuid.uuid4().hex[:16], ran) if ran > 1 else Batch()
-        return [produced if isinstance(produced, Exception) else
-                self._done(seq_id, step, {**inputs, **produced}, share, unit_s, batch)
-                for (seq_id, step, inputs), produced in zip(steps, outputs, strict=True)]
+        results: list[StepDone | Exception] = []
+        for step, outcome in zip(steps, produced, strict=True):
+            if isinstance(outcome, Exception):
+                results.append(outcome)
+                continue
+            self._next[step.seq_id] = step.step + 1
+            results.append(self._done(step, outcome, share, unit_s, batch))
+        return results
 
-    def _done(self, seq_id: str, step: int, available: Tensors, seconds: float,
+    def _refused(self, step: Step) -> Exception | None:
+        """Why the step cannot run (out of order, K/V it lacks), after dropping K/V beyond
+        the positions it continues from; None when it can."""
+        expected = self._next.get(step.seq_id, 0)
+        if step.step != expected:
+            return ValueError(f"{step.seq_id}: step {step.step} comes after step {expected - 1}")
+        if step.past is None or not self.executor.holds_state:
+            return None
+        held = self.executor.length(step.seq_id)
+        if step.past > held:
+            return ValueError(f"stage {self.stage} holds {held} positions of {step.seq_id}, "
+                              f"not {step.past}")
+        if step.past < held:
+            self.executor.truncate(step.seq_id, step.past)
+        return None
+
+    def _done(self, step: Step, produced: Tensors, seconds: float,
               unit_s: dict[int, float], batch: Batch) -> StepDone:
-        outgoing = [self._message(seq_id, step, route, available, batch)
-                    for route in self.routes.sends]
+        exit_logits = produced.pop(EXIT_LOGITS, None)
+        available = {**step.inputs, **produced}
+        outgoing = [self._message(step, route, available, batch) for route in self.routes.sends]
         logits = available[self.routes.returns[0]] if self.routes.returns else None
         sequential = sum(o.nbytes for o in outgoing if o.target == self.stage + 1)
-        done = StepDone(self.stage, seq_id, step, outgoing, logits, seconds, sequential,
-                        sum(o.nbytes for o in outgoing) - sequential, unit_s)
+        done = StepDone(self.stage, step.seq_id, step.step, outgoing, logits, seconds,
+                        sequential, sum(o.nbytes for o in outgoing) - sequential, unit_s,
+                        exit_logits, step.rows)
         self._count(done)
         return done
 
@@ -161,13 +227,14 @@ class StageWorker:
     def drop(self, seq_id: str) -> None:
         """Free the sequence's K/V and anything buffered for it."""
         self.executor.drop(seq_id)
+        self._next.pop(seq_id, None)
         for key in [k for k in self._pending if k[0] == seq_id]:
             del self._pending[key]
 
-    def _message(self, seq_id: str, step: int, route: Route, available: Tensors,
-                 batch: Batch) -> Outgoing:
+    def _message(self, step: Step, route: Route, available: Tensors, batch: Batch) -> Outgoing:
         tensors = {name: self._wire(available[name]) for name in route.names}
-        message = StageData(self.plan, seq_id, step, tensors, batch.name, batch.size)
+        message = StageData(self.plan, step.seq_id, step.step, tensors, batch.name, batch.size,
+                            step.past, step.rows)
         return Outgoing(route.target, message, sum(t.nbytes for t in tensors.values()))
 
     def _wire(self, array: np.ndarray) -> np.ndarray:
@@ -205,6 +272,12 @@ class TokenSampler:
     def sample(self, seq_id: str, logits: np.ndarray) -> int:
         return self._samplers[seq_id](logits[0, -1])
 
+    @staticmethod
+    def checks(logits: np.ndarray, rows: int) -> tuple[int, ...]:
+        """The most likely token at each of the `rows` - 1 positions before the last (a
+        speculative check, which runs greedy answers only)."""
+        return tuple(int(t) for t in np.argmax(logits[0, logits.shape[1] - rows : -1], axis=-1))
+
     def logprobs(self, seq_id: str, logits: np.ndarray, token: int) -> TokenLogprobs | None:
         """What the sequence asked to know of the step that sampled `token`, if anything."""
         top = self._samplers[seq_id].params.logprobs
@@ -219,6 +292,30 @@ class TokenSampler:
         return seq_id in self._samplers
 
 
+def exit_token(settings: ExitSettings, sampler: TokenSampler, seq_id: str,
+               exit_logits: np.ndarray) -> int | None:
+    """The exit's token for the step, where its confidence reaches the threshold."""
+    if settings.threshold is None or confidence(exit_logits[0, -1]) < settings.threshold:
+        return None
+    return sampler.sample(seq_id, exit_logits)
+
+
+def draft(executor: StageExecutor, generation: Generation, count: int) -> list[int]:
+    """The exit's greedy guesses of the generation's next tokens, up to `count`, from the
+    units of `executor` alone (it holds unit 0 and the exit). Its K/V keeps the positions
+    they took: the check that follows (`Generation.next_step(drafts)`) drops them."""
+    context = [*generation.prompt, *generation.tokens]
+    drafts: list[int] = []
+    for position in range(len(context) - 1, len(context) - 1 + count):
+        token = drafts[-1] if drafts else context[-1]
+        inputs = {"input_ids": np.array([[token]], np.int64),
+                  "position_ids": np.array([[position]], np.int64)}
+        drafts.append(int(np.argmax(executor.step(generation.seq_id, inputs)[EXIT_LOGITS][0, -1])))
+        if drafts[-1] in generation.stop_ids:
+            break
+    return drafts
+
+
 @dataclass
 class Generation:
     """One request as the head sees it.
@@ -227,6 +324,11 @@ class Generation:
     lack: the whole prompt first, then one token at a time. After a plan change or a lost
     peer the K/V is gone: `restart` makes the next step re-prefill the prompt and every
     token so far, under a fresh sequence id, and generation continues where it stopped.
+
+    With early exit a token may come from the exit before the full model's (`record(...,
+    exited=True)`); the full model's token for that step, when it comes, is only compared
+    (`check`). With speculative decoding a step carries the exit's drafts after the last
+    token, and the full model's tokens for all of them decide how many are kept (`verified`).
     """
 
     seq_id: str
@@ -238,24 +340,73 @@ class Generation:
     step: int = 0  # forward passes of this seq_id, pairing the messages of one step
     stopped: bool = False  # ended early: its text reached a stop string
     reused: int = 0  # prompt positions whose K/V came from an earlier answer
+    exits: list[int] = field(default_factory=list)  # indices of the tokens the exit gave
+    unchecked: dict[int, int] = field(default_factory=dict)  # exited steps: their tokens
+    agreed: int = 0  # exited tokens the full model gave too
+    checked: int = 0  # exited tokens the full model's came back for
+    drafted: int = 0  # tokens the exit drafted for checks
+    accepted: int = 0  # drafted tokens the full model confirmed
+    checks: int = 0  # speculative checks run
 
-    def step_inputs(self) -> tuple[int, Tensors]:
-        """The step to run next and its request inputs."""
-        context = self.prompt + self.tokens
+    def next_step(self, drafts: list[int] | tuple[int, ...] = ()) -> Step:
+        """The step to run next, with the exit's `drafts` after the last token (a check)."""
+        context = [*self.prompt, *self.tokens, *drafts]
         positions = np.arange(self.cached, len(context), dtype=np.int64)
-        return self.step, {
-            "input_ids": np.asarray([context[self.cached :]], dtype=np.int64),
-            "position_ids": positions[None, :],
-        }
+        inputs = {"input_ids": np.asarray([context[self.cached :]], dtype=np.int64),
+                  "position_ids": positions[None, :]}
+        return Step(self.seq_id, self.step, inputs, self.cached, len(drafts) + 1)
 
-    def record(self, step: int, token: int) -> bool:
-        """Add the token sampled at `step`; True when the generation is finished."""
+    def record(self, step: int, token: int, exited: bool = False) -> bool:
+        """Add the token sampled at `step` (by the exit: `exited`); True when the generation
+        is finished."""
         if step != self.step:
             raise ValueError(f"{self.seq_id}: token for step {step}, expected {self.step}")
-        self.cached = len(self.prompt) + len(self.tokens)
-        self.tokens.append(token)
-        self.step += 1
+        if exited:
+            self.exits.append(len(self.tokens))
+            self.unchecked[step] = token
+        self._add([token])
         return self.finished
+
+    def check(self, step: int, token: int) -> bool:
+        """The full model's token for a step the exit answered; False for any other step."""
+        exited = self.unchecked.pop(step, None)
+        if exited is None:
+            return False
+        self.checked += 1
+        self.agreed += exited == token
+        return True
+
+    def verified(self, step: int, drafts: list[int], checks: tuple[int, ...],
+                 token: int) -> list[int]:
+        """The full model's tokens for a check of `drafts` came back (`checks` after the
+        last token and each draft but the last, `token` after the last): the drafts it
+        agrees with and its own next token are the new tokens."""
+        if step != self.step or len(checks) != len(drafts):
+            raise ValueError(f"{self.seq_id}: a check of step {step} with {len(checks)} "
+                             f"tokens; expected step {self.step}, {len(drafts)} tokens")
+        full = [*checks, token]
+        kept = next((i for i, (d, t) in enumerate(zip(drafts, full, strict=False)) if d != t),
+                    len(drafts))
+        self.checks += 1
+        self.drafted += len(drafts)
+        self.accepted += kept
+        return self._add(full[: kept + 1])
+
+    def _add(self, new: list[int]) -> list[int]:
+        """Append what of `new` the answer takes (up to a stop token or max_tokens)."""
+        new = new[: self.max_tokens - len(self.tokens)]
+        stop = next((end for end, token in enumerate(new, 1) if token in self.stop_ids), None)
+        new = new[:stop]
+        self.tokens.extend(new)
+        self.cached = len(self.prompt) + len(self.tokens) - 1
+        self.step += 1
+        return new
+
+    def stop_after(self, count: int) -> None:
+        """End the answer after its first `count` tokens (its text reached a stop string)."""
+        del self.tokens[count:]
+        self.cached = min(self.cached, len(self.prompt) + len(self.tokens) - 1)
+        self.stopped = True
 
     @property
     def finished(self) -> bool:
@@ -263,9 +414,18 @@ class Generation:
             self.tokens and self.tokens[-1] in self.stop_ids
         )
 
+    @property
+    def exit_stats(self) -> dict:
+        """What the exit did for this answer (for the --json stats)."""
+        return {"exited": len(self.exits), "exited_tokens": list(self.exits),
+                "exit_rate": round(len(self.exits) / len(self.tokens), 4) if self.tokens else 0.0,
+                "checked": self.checked, "agreed": self.agreed,
+                "drafted": self.drafted, "accepted": self.accepted, "checks": self.checks}
+
     def restart(self, seq_id: str) -> None:
         """Forget the K/V: the next step re-prefills everything under `seq_id`."""
         self.seq_id, self.cached, self.step = seq_id, 0, 0
+        self.unchecked.clear()
 
     def reuse(self, positions: int) -> None:
         """The stages hold K/V of the first `positions` of the prompt (an earlier answer's,

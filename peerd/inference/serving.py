@@ -55,6 +55,7 @@ from peerd.wire.protocol import (
     PlanAssignment,
 )
 from peerd.wire.transport import Incoming, Transport, TransportError
+from shards.early_exit import ExitSettings
 from shards.errors import ModelError, NoTokenizer
 from shards.executor import HeldUnit, StageExecutor, held_bytes
 from shards.manifest import Manifest
@@ -439,6 +440,7 @@ def _stats(answered: Answered, prompt_tokens: int, started: float, times: list[f
     return {
         "prompt_tokens": prompt_tokens,
         "reused_prompt_tokens": answered.reused,
+        "exit": answered.exits,
         "generated_tokens": len(times),
         "time_to_first_token_s": round(times[0] - started, 6) if times else None,
         "tokens_per_second": round((len(times) - 1) / decode_s, 3) if decode_s else None,
@@ -468,8 +470,9 @@ class Serving:
 
     def __init__(self, me: str, transport: Transport, model_dir: Path | None,
                  limits: Limits | None = None, fp16_wire: bool = False,
-                 unit_clock: UnitClock | None = None) -> None:
+                 unit_clock: UnitClock | None = None, exits: ExitSettings | None = None) -> None:
         self.me = me
+        self.exits = exits or ExitSettings()
         self.unit_clock = unit_clock or UnitClock()
         self.transport = transport
         self.model_dir = model_dir
@@ -521,7 +524,8 @@ class Serving:
             return self.planes[plan.key]
         ring = [(s.peer, s.first, s.last) for s in plan.stages]
         plane = DataPlane(self.me, self.transport, ring, loaded.manifest, loaded.executor,
-                          self.fp16_wire, self.limits, plan.key, self.planes, self.unit_clock)
+                          self.fp16_wire, self.limits, plan.key, self.planes, self.unit_clock,
+                          self.exits)
         self.planes[plan.key] = plane
         return plane
 

@@ -31,11 +31,12 @@ import numpy as np
 
 from peerd.wire.states import OFFERED_MODEL_STATES, REPORTED_DEPLOY_STATES, ModelState
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 MAX_HEADER_BYTES = 1024 * 1024
 MAX_TENSORS = 4096
 MAX_BATCH = 256  # steps of one batch (StageData.batch_size)
+MAX_ROWS = 17  # positions a speculative check asks tokens of: 16 drafts and the next
 MAX_BATCH_NAME = 64
 MAX_RANK = 8
 
@@ -134,7 +135,12 @@ class StageData:
     sequence on the new one. ``batch`` names the batch of steps the sender ran this one in
     and ``batch_size`` counts the steps of that batch it sends to this receiver, so the
     receiver runs them as one batch too rather than the first to arrive alone ("" and 1: a
-    step that ran alone).
+    step that ran alone). ``past``, the head's, counts the positions of the sequence's K/V the
+    step continues from: a stage holding more (drafted tokens the full model rejected) drops
+    the rest first. ``rows`` asks the last stage for the tokens of the step's last ``rows``
+    positions (a speculative check, ``SequenceToken.checks``), not only of the last one.
+    Steps of one sequence may follow each other before the first is done (early exit): each
+    stage runs them in ``step`` order.
     """
 
     KIND: ClassVar[str]
@@ -145,10 +151,15 @@ class StageData:
     tensors: Tensors
     batch: str = ""
     batch_size: int = 1
+    past: int | None = None
+    rows: int = 1
 
     def __post_init__(self):
         _require(1 <= self.batch_size <= MAX_BATCH, f"stage: batch_size outside 1..{MAX_BATCH}")
         _require(len(self.batch) <= MAX_BATCH_NAME, "stage: batch name too long")
+        _require(self.step >= 0, "stage: negative step")
+        _require(self.past is None or self.past >= 0, "stage: negative past")
+        _require(1 <= self.rows <= MAX_ROWS, f"stage: rows outside 1..{MAX_ROWS}")
 
 
 @message("seq-open", channel=DATA)
@@ -195,7 +206,8 @@ class SequenceOpened:
 class SequenceToken:
     """The last stage's sampled token for one step, sent to the head; for a sequence opened
     with ``logprobs``, also the token's log-probability and the most likely tokens
-    (``top_ids``, most likely first) with theirs."""
+    (``top_ids``, most likely first) with theirs. For a step with ``rows`` > 1, ``checks``
+    holds the full model's most likely token at each of the positions before the last."""
 
     KIND: ClassVar[str]
     CHANNEL: ClassVar[str]
@@ -205,6 +217,7 @@ class SequenceToken:
     logprob: float | None = None
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    checks: tuple[int, ...] = ()
 
     def __post_init__(self):
         _require(len(self.top_ids) == len(self.top_logprobs) <= MAX_TOP_LOGPROBS,
@@ -213,7 +226,9 @@ class SequenceToken:
                  "seq-token: top logprobs without the token's")
         logprobs = (*self.top_logprobs, *(() if self.logprob is None else (self.logprob,)))
         _require(all(lp <= 0.0 for lp in logprobs), "seq-token: a logprob above 0")
-        _require(all(i >= 0 for i in (self.token, *self.top_ids)), "seq-token: negative id")
+        _require(all(i >= 0 for i in (self.token, *self.top_ids, *self.checks)),
+                 "seq-token: negative id")
+        _require(len(self.checks) < MAX_ROWS, f"seq-token: {MAX_ROWS} checks or more")
 
 
 @message("seq-drop", channel=DATA)

@@ -61,7 +61,7 @@ def _mac_of(pairs):
 @pytest.mark.parametrize(
     "changes, reason",
     [
-        ({"v": "3"}, "protocol"),
+        ({"v": "99"}, "protocol"),
         ({"id": "0123456789abcdef"}, "does not match its public key"),
         ({"pk": "short"}, "does not match its public key"),
         ({"cp": "70000"}, "bad port"),

@@ -105,7 +105,7 @@ def test_a_restarted_generation_re_prefills_and_continues_exactly(toy):
     _pipeline(toy, 3).generate([(generation, SamplingParams())])
     generation.max_tokens = 12
     generation.restart("s-again")
-    step, inputs = generation.step_inputs()
-    assert step == 0 and inputs["input_ids"].tolist() == [[1, 2, 3, *generation.tokens]]
+    step = generation.next_step()
+    assert step.step == 0 and step.inputs["input_ids"].tolist() == [[1, 2, 3, *generation.tokens]]
     _pipeline(toy, 2).generate([(generation, SamplingParams())])
     assert generation.tokens == _reference_greedy(model, [1, 2, 3], 12)

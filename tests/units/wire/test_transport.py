@@ -121,9 +121,9 @@ def _member_dealer(member: Node, target: Node, port: int) -> zmq.asyncio.Socket:
 
 JUNK = [
     [b"\xc1 not msgpack"],
-    [msgpack.packb({"v": 2, "kind": "ping", "req": "one"})],
-    [msgpack.packb({"v": 2, "kind": "nope"})],
-    [msgpack.packb({"v": 3, "kind": "ping", "req": 1})],
+    [msgpack.packb({"v": protocol.PROTOCOL_VERSION, "kind": "ping", "req": "one"})],
+    [msgpack.packb({"v": protocol.PROTOCOL_VERSION, "kind": "nope"})],
+    [msgpack.packb({"v": protocol.PROTOCOL_VERSION + 1, "kind": "ping", "req": 1})],
     protocol.encode(protocol.BandwidthProbe(req=1, tensors={"payload": np.zeros(8, np.uint8)})),
 ]
 
