@@ -70,33 +70,20 @@ class Peer:
 @contextlib.asynccontextmanager
 async def running_ring(manifest, unit_dir, limits: Limits, max_positions: int = 64,
                        fp16_wire: bool = False, stages=STAGES,
-                       exits: ExitSettings | None = None):
+                       exits: ExitSettings | None = None, standalone: bool = False):
     """The peers of `stages` (peer, first unit, last unit); with `exits`, the head's stage
-    exits early."""
+    exits early (and with `standalone`, its answers go on from the exit without a plane)."""
     peers = [Peer(peer_id, limits, fp16_wire) for peer_id, _, _ in stages]
-    for peer in peers:
-        for other in peers:
-            if other is not peer:
-                peer.transport.admit(other.keys.public)
-                peer.transport.connect(other.id, other.endpoint())
-                peer.names[other.keys.public] = other.id
+    peers[0].answers.standalone = standalone
+    link(peers)
     for peer, (_, first, last) in zip(peers, stages, strict=True):
-        point = (stage_exit(manifest, last, exits.layer)
-                 if exits is not None and first == 0 else None)
-        peer.executor = StageExecutor(manifest, unit_dir, first, last, shelf=peer.shelf,
-                                      exit=point)
+        load(peer, manifest, unit_dir, first, last, exits)
         peer.add_plane("1.1", manifest, stages, exits=exits)
         peer.chat.head_peer = "a"
     peers[0].answers.use(peers[0].plane)
     peers[0].chat.head = Head(peers[0].answers, None, frozenset(), max_positions,
                               manifest.model.vocab_size)
-    # both channels: a data socket whose handshake was refused (its peer had not admitted
-    # the key yet) is replaced after a delay, and until then the plane cannot send there
-    data_ready = protocol.SequenceStatsRequest(0, "ready")
-    await asyncio.gather(
-        *(answered(p.transport, o.id, msg=msg) for p in peers for o in peers if o is not p
-          for msg in (None, data_ready))
-    )
+    await reachable(peers)
     try:
         yield peers
     finally:
@@ -105,6 +92,35 @@ async def running_ring(manifest, unit_dir, limits: Limits, max_positions: int = 
             for plan in list(peer.planes):
                 await peer.retire(plan)
             await peer.transport.close()
+
+
+def link(peers: list[Peer]) -> None:
+    """Make the peers known to each other."""
+    for peer in peers:
+        for other in peers:
+            if other is not peer:
+                peer.transport.admit(other.keys.public)
+                peer.transport.connect(other.id, other.endpoint())
+                peer.names[other.keys.public] = other.id
+
+
+async def reachable(peers: list[Peer]) -> None:
+    """Wait until each peer reaches every other on both channels, its plane answering: a
+    data socket whose handshake was refused (its peer had not admitted the key yet) is
+    replaced after a delay, and until then a plane cannot send there."""
+    data_ready = protocol.SequenceStatsRequest(0, "ready")
+    await asyncio.gather(
+        *(answered(p.transport, o.id, msg=msg) for p in peers for o in peers if o is not p
+          for msg in (None, data_ready))
+    )
+
+
+def load(peer: Peer, manifest, unit_dir, first: int, last: int,
+         exits: ExitSettings | None = None) -> None:
+    """The peer's executor of units first..last, with the exit where `exits` want one and
+    it holds the first stage."""
+    point = stage_exit(manifest, last, exits.layer) if exits is not None and first == 0 else None
+    peer.executor = StageExecutor(manifest, unit_dir, first, last, shelf=peer.shelf, exit=point)
 
 
 def reference(model: ToyModel, prompt: list[int], count: int) -> list[int]:

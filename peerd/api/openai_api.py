@@ -332,7 +332,8 @@ class OpenAiApi:
             raise api_error(exc) from None
         choice = {"index": 0, **ask.flavour.whole(done["text"]),
                   "logprobs": self._logprobs(ask, entries, 0),
-                  "finish_reason": done["finish_reason"], "token_ids": done["token_ids"]}
+                  "finish_reason": done["finish_reason"], "token_ids": done["token_ids"],
+                  "degraded": done["degraded"]}
         return web.json_response({**header, "object": ask.flavour.object, "choices": [choice],
                                   "usage": _usage(done)})
 
@@ -365,7 +366,9 @@ class OpenAiApi:
                 logprobs = self._logprobs(ask, entries, offset)
                 offset += sum(len(entry["token"]) for entry in entries)
                 await stream.event(chunk({**ask.flavour.piece(event["text"]),
-                                          "token_ids": [event["token"]]}, logprobs=logprobs))
+                                          "token_ids": [event["token"]],
+                                          "degraded": event.get("degraded", False)},
+                                         logprobs=logprobs))
             done = answer.result()
         except PeerdError as exc:
             if not stream.open:

@@ -83,7 +83,7 @@ def _answer_once(state_dir: Path, request: dict[str, Any], as_json: bool) -> int
     if as_json:
         done = stream_answer(state_dir, request)
         print(json.dumps({k: done.get(k) for k in ("token_ids", "text", "finish_reason",
-                                                     "stats")}))
+                                                     "degraded", "stats")}))
     else:
         _answer_line(state_dir, request)
     return 0
@@ -121,6 +121,9 @@ def _answer_line(state_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
         _print_piece("\n")
     if done.get("finish_reason") == "length":
         _say(cut_notice(request.get("max_tokens"), done))
+    if done.get("degraded"):
+        _say(f"[degraded: {done['stats']['degraded_tokens']} tokens came from the first "
+             "peer's early exit alone, while the peers behind it were unreachable]")
     return done
 
 

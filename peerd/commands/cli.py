@@ -176,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
         "work when a better plan is predicted 15%% faster for a few seconds)",
     )
     _add_early_exit(p, "this peer, when it holds the plan's first stage,")
+    p.add_argument(
+        "--standalone", action="store_true",
+        help="when the peers behind the exit are gone and no plan can serve, answers in "
+        "flight go on from the exit alone, every token marked degraded, and continue at "
+        "full depth once the cluster serves again (off by default)",
+    )
     p.set_defaults(handler="peerd.daemon.start:cmd_start")
 
     p = sub.add_parser("stop", help="stop the local daemon cleanly")

@@ -36,6 +36,9 @@ def options_from_args(args: argparse.Namespace) -> Options:
         exits = ExitSettings(args.early_exit, args.speculative, args.exit_layer)
     except ValueError as exc:
         raise PeerdError(str(exc)) from None
+    if args.standalone and not exits.enabled:
+        raise PeerdError("--standalone answers from the exit: give --early-exit or "
+                         "--speculative too")
     model = Path(args.model) if args.model else None
     if model and not (model.is_dir() or (model.is_file() and is_gguf(model))):
         raise PeerdError(f"--model {args.model} is neither a checkpoint directory nor a "
@@ -54,6 +57,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         quant=args.quant,
         openai=openai_settings.settings_from_args(args),
         exits=exits,
+        standalone=args.standalone,
     )
 
 

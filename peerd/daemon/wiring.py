@@ -70,6 +70,7 @@ class Options:
     objective: str = "throughput"  # what this peer's plans optimise while it leads
     openai: openai_settings.Settings | None = None  # the OpenAI-compatible endpoint, if served
     exits: ExitSettings = ExitSettings()  # early exit, when this peer holds the first stage
+    standalone: bool = False  # answer from the exit alone while no plan serves
 
 
 class Daemon:
@@ -96,7 +97,7 @@ class Daemon:
                              options.probe_bytes),
         )
         self.serving = Serving(identity.id, self.transport, model, fp16_wire=options.fp16_wire,
-                               exits=options.exits)
+                               exits=options.exits, standalone=options.standalone)
         self.plans = Plans(
             self.cluster, self.transport, options.state_dir, model, options.quant,
             options.objective, options.rebalance, self._spawn, self.serving.on_plan,

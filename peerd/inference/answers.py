@@ -9,6 +9,11 @@ answer keeps every token it has, waits for the next plane, and resumes there by 
 prompt and those tokens under a fresh sequence id. Either way the client sees one uninterrupted,
 unchanged answer. When no plan can serve (the model no longer fits), waiting answers end with the
 leader's reason.
+
+Standalone (CE-CoLLM): where the head's stage has an early exit and the peer was started with
+`--standalone`, an answer whose plan went away keeps going meanwhile from the exit alone, each
+token marked degraded, and continues at full depth once a plan serves again, re-prefilling
+there (the deeper stages catch up with the degraded tokens' K/V).
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ from peerd.inference.dataplane import (
     OnToken,
     PlaneClosed,
 )
-from peerd.inference.pipeline import Generation
+from peerd.inference.pipeline import Generation, NewToken
 from peerd.wire.protocol import SequenceStats
-from shards.sampling import SamplingParams
+from shards.early_exit import EXIT_LOGITS
+from shards.executor import StageExecutor
+from shards.sampling import Sampler, SamplingParams
 
 log = logging.getLogger("peerd.inference.answers")
 
@@ -62,6 +69,7 @@ class Answered:
     kv_moved: int = 0  # of those, the moves that took its K/V along (the rest re-prefilled)
     reused: int = 0  # prompt positions whose K/V came from an earlier answer
     exits: dict | None = None  # what the exit did (DataPlane.exit_stats), where there is one
+    degraded: int = 0  # tokens from the exit alone, while no plan served (standalone)
 
 
 @dataclass
@@ -75,8 +83,10 @@ class _Serving:
 
 
 class Answers:
-    def __init__(self, limits: Limits | None = None) -> None:
+    def __init__(self, limits: Limits | None = None, standalone: bool = False) -> None:
+        """`standalone`: answers whose plan went away keep going from the head's exit."""
         self.limits = limits or Limits()
+        self.standalone = standalone
         self._now = _Serving()
         self._line: collections.deque[object] = collections.deque()
         self._room = asyncio.Condition()
@@ -132,7 +142,7 @@ class Answers:
             try:
                 stages = await plane.run(generation, request.params, on_token)
                 return Answered(generation.tokens, stages, resumed, kv_moved, generation.reused,
-                                plane.exit_stats(generation))
+                                plane.exit_stats(generation), generation.degraded)
             except Moved as moved:
                 log.info("answer %s moved to plan %s with its K/V after %d tokens",
                          generation.seq_id, moved.plane.plan, len(generation.tokens))
@@ -140,14 +150,43 @@ class Answers:
                 plane = moved.plane
                 kv_moved += 1
                 self._moved_with_kv += 1
-            except PlaneClosed:
-                log.info("answer %s moves to the next plan after %d tokens",
-                         generation.seq_id, len(generation.tokens))
+            except PlaneClosed as closed:
+                log.info("answer %s moves to the next plan after %d tokens (%s)",
+                         generation.seq_id, len(generation.tokens), closed or "plan retired")
                 generation.restart(uuid.uuid4().hex)
                 left, plane = plane, None
                 self._re_prefilled += 1
+                exit_stage = left.exit_executor
+                if self.standalone and exit_stage is not None:
+                    await self._alone(generation, request.params, on_token, exit_stage, left)
             resumed += 1
-        return Answered(generation.tokens, [], resumed, kv_moved)
+        return Answered(generation.tokens, [], resumed, kv_moved, degraded=generation.degraded)
+
+    async def _alone(self, generation: Generation, params: SamplingParams, on_token: OnToken,
+                     stage: StageExecutor, left: DataPlane) -> None:
+        """Answer from the exit of the head's stage alone until a plane other than `left`
+        serves (or the answer ends): each token is degraded. The sequence re-prefills on
+        the stage once, and its K/V is dropped after."""
+        if not self._serving_again(left):
+            log.warning("answer %s goes on from the exit alone: no plan serves",
+                        generation.seq_id)
+        sampler = Sampler(params, skip=len(generation.tokens))
+        try:
+            while not generation.finished and not self._serving_again(left):
+                step = generation.next_step()
+                outputs = await asyncio.to_thread(stage.step, generation.seq_id, step.inputs)
+                token = sampler(outputs[EXIT_LOGITS][0, -1])
+                generation.record(step.step, token)
+                generation.degraded += 1
+                if on_token(NewToken(token, None, generation.finished, degraded=True)):
+                    generation.stop_after(len(generation.tokens))
+        finally:
+            stage.drop(generation.seq_id)
+        generation.restart(uuid.uuid4().hex)
+
+    def _serving_again(self, left: DataPlane) -> bool:
+        plane = self._now.plane
+        return plane is not None and not plane.closed and plane is not left
 
     async def _plane(self, avoid: DataPlane | None = None) -> DataPlane:
         """The plane to run on (not `avoid`, which failed the answer), waiting up to

@@ -310,6 +310,13 @@ class DataPlane:
     async def _fork_at(self, peer: str, fork: SequenceFork) -> str | None:
         return self._forked_here(fork) if peer == self.me else await self._asked(peer, fork)
 
+    @property
+    def exit_executor(self) -> StageExecutor | None:
+        """The head's stage, where it has an exit: what answers alone when the stages
+        behind it are gone (standalone)."""
+        executor = self.worker.executor
+        return executor if self.is_head and executor.exit is not None else None
+
     def exit_stats(self, generation: Generation) -> dict | None:
         """What the exit did for an answer, where this plane's head has one."""
         point = self.worker.executor.exit

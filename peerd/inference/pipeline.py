@@ -258,6 +258,7 @@ class NewToken:
     id: int
     logprobs: TokenLogprobs | None  # where the answer asked for them
     last: bool  # the answer ends with it: an end-of-sequence token, or max_tokens reached
+    degraded: bool = False  # from the exit alone: the stages behind it were unreachable
 
 
 class TokenSampler:
@@ -347,6 +348,7 @@ class Generation:
     drafted: int = 0  # tokens the exit drafted for checks
     accepted: int = 0  # drafted tokens the full model confirmed
     checks: int = 0  # speculative checks run
+    degraded: int = 0  # tokens from the exit alone, while no plan served (standalone)
 
     def next_step(self, drafts: list[int] | tuple[int, ...] = ()) -> Step:
         """The step to run next, with the exit's `drafts` after the last token (a check)."""

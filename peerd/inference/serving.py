@@ -223,6 +223,8 @@ class ChatService:
             if new.last:
                 piece += stops.end()
             event: dict[str, Any] = {"event": "token", "token": new.id, "text": piece}
+            if new.degraded:
+                event["degraded"] = True
             if new.logprobs is not None:
                 event["logprobs"] = _logprobs_entry(head.tokenizer, new.id, new.logprobs)
             events.put_nowait(event)
@@ -244,7 +246,7 @@ class ChatService:
         stats = _stats(answered, len(prompt), started, token_times)
         await send({"event": "done", "ok": True, "token_ids": answered.tokens,
                     "text": stops.text, "finish_reason": _finish_reason(head, answered, stops),
-                    "stats": stats})
+                    "degraded": answered.degraded > 0, "stats": stats})
 
     def _prompt_ids(self, head: Head, body: ChatBody) -> list[int]:
         if body.prompt_ids is not None:
@@ -441,6 +443,7 @@ def _stats(answered: Answered, prompt_tokens: int, started: float, times: list[f
         "prompt_tokens": prompt_tokens,
         "reused_prompt_tokens": answered.reused,
         "exit": answered.exits,
+        "degraded_tokens": answered.degraded,
         "generated_tokens": len(times),
         "time_to_first_token_s": round(times[0] - started, 6) if times else None,
         "tokens_per_second": round((len(times) - 1) / decode_s, 3) if decode_s else None,
@@ -470,7 +473,8 @@ class Serving:
 
     def __init__(self, me: str, transport: Transport, model_dir: Path | None,
                  limits: Limits | None = None, fp16_wire: bool = False,
-                 unit_clock: UnitClock | None = None, exits: ExitSettings | None = None) -> None:
+                 unit_clock: UnitClock | None = None, exits: ExitSettings | None = None,
+                 standalone: bool = False) -> None:
         self.me = me
         self.exits = exits or ExitSettings()
         self.unit_clock = unit_clock or UnitClock()
@@ -479,7 +483,7 @@ class Serving:
         self.limits = limits or Limits()
         self.fp16_wire = fp16_wire
         self.chat = ChatService(transport)
-        self.answers = Answers(self.limits)
+        self.answers = Answers(self.limits, standalone)
         self.planes: dict[str, DataPlane] = {}  # by plan key, oldest first
         self._retired: set[asyncio.Task] = set()
         self._retiring: set[str] = set()  # plan keys of planes closing once answers moved

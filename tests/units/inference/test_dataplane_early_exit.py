@@ -1,18 +1,20 @@
-"""Early exit and speculative decoding on the network data plane: three stages of a real
-4-layer Llama on three real transports over loopback, the head's stage ending after layer 1
-with the exit, checked against transformers."""
+"""Early exit, speculative decoding and standalone answers on the network data plane: three
+stages of a real 4-layer Llama on three real transports over loopback, the head's stage
+holding the exit, checked against transformers."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
-from ring import running_ring
-from sharding import reference, sharded
-from test_early_exit import _exit_answer
+import torch
+from ring import Peer, link, load, reachable, running_ring
+from sharding import _transformers_model, reference, sharded
+from test_early_exit import _exit_answer, _final_norm_and_head
 
 from peerd.inference.answers import Request
 from peerd.inference.dataplane import Limits
+from peerd.inference.pipeline import NewToken
 from shards.early_exit import ExitSettings
 from shards.sampling import SamplingParams
 
@@ -67,3 +69,73 @@ async def test_speculative_answers_are_the_full_models(model, drafts):
     for prompt, answer in zip(PROMPTS, answered, strict=True):
         assert answer.tokens == reference(model, prompt, NEW_TOKENS)[0]
         assert answer.exits is not None and answer.exits["checks"] < NEW_TOKENS
+
+
+def _expected_along(model_dir, prompt, tokens, degraded: set[int]) -> list[int]:
+    """Token by token, what the answer should hold: the exit's argmax (after layer 2) where
+    it was degraded, the full model's elsewhere, each given the tokens before it."""
+    model = _transformers_model(model_dir)
+    head = _final_norm_and_head(model)
+    ids, expected = list(prompt), []
+    with torch.no_grad():
+        for index in range(len(tokens)):
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+            row = head(out.hidden_states[2][0, -1]) if index in degraded else out.logits[0, -1]
+            expected.append(int(row.argmax()))
+            ids.append(tokens[index])
+    return expected
+
+
+async def test_standalone_answers_from_the_exit_while_the_later_peers_are_gone(model):
+    """The peers behind the exit vanish mid-answer and no plan serves: the answer goes on
+    from the exit, each token marked degraded; two peers take their stages in a new plan:
+    the answer continues at full depth, re-prefilled there."""
+    result = sharded(model)
+    manifest, directory = result.manifest, result.directory
+    exits = ExitSettings(threshold=1.5, layer=2)  # no exit while the cluster serves
+    limits = Limits(send_timeout_s=5.0)
+    async with running_ring(manifest, directory, limits, stages=STAGES, exits=exits,
+                            standalone=True) as peers:
+        head = peers[0]
+        streamed: list[NewToken] = []
+        chores: list[asyncio.Task] = []
+
+        behind = peers[1:]
+
+        async def vanish() -> None:
+            for peer in behind:
+                await peer.transport.close()
+            # as the daemon hears it: the leader's plan without stages, then the plane closes
+            head.answers.use(None, problem="the model does not fit the peers left")
+            await head.retire("1.1")
+
+        # the peers that come back, ready before the answer starts: the test, not the
+        # clock, decides when the answer sees them
+        stages = [("a", 0, 4), ("b2", 5, 7), ("c2", 8, 9)]
+        new = [Peer(peer_id, limits) for peer_id, _, _ in stages[1:]]
+        peers.extend(new)  # closed with the others
+        link([head, *new])
+        for peer, (_, first, last) in zip(new, stages[1:], strict=True):
+            load(peer, manifest, directory, first, last)
+            peer.add_plane("1.2", manifest, stages)
+        back = head.add_plane("1.2", manifest, stages, exits=exits)
+        await reachable([head, *new])
+
+        def on_token(new: NewToken) -> None:
+            streamed.append(new)
+            degraded = sum(t.degraded for t in streamed)
+            if len(streamed) == 4:
+                chores.append(asyncio.create_task(vanish()))
+            elif new.degraded and degraded == 6:
+                head.answers.use(back)
+
+        request = Request([1, 17, 42, 99, 7], SamplingParams(), 40, frozenset())
+        answer = await asyncio.wait_for(head.answers.generate(request, on_token), 60)
+        await asyncio.gather(*chores)
+    flags = [t.degraded for t in streamed]
+    assert answer.tokens == [t.id for t in streamed]
+    shown = "".join("D" if flag else "." for flag in flags)
+    assert shown.startswith("....") and shown.endswith("."), shown
+    assert answer.degraded == sum(flags) >= 6
+    degraded = {i for i, flag in enumerate(flags) if flag}
+    assert answer.tokens == _expected_along(model, request.prompt, answer.tokens, degraded)
