@@ -120,13 +120,14 @@ def serving_plan(peers: list[netns.Peer]) -> dict | None:
 
 
 @contextlib.contextmanager
-def split_cluster(root: Path, model: Path, budget: str):
+def split_cluster(root: Path, model: Path, budget: str, extra: tuple[str, ...] = ()):
     """Three namespaced daemons, the model (a directory or GGUF file) on the first, each
-    offering `budget` of memory so that no one holds it: yields the peers once the model is
-    sharded, a plan of two or more stages is deployed and its head accepts chats."""
+    offering `budget` of memory so that no one holds it and started with `extra` too: yields
+    the peers once the model is sharded, a plan of two or more stages is deployed and its
+    head accepts chats."""
     dirs = netns.make_state_dirs(root, 3)
     seed_shard_cache(dirs[0], model)
-    args = {i: ["--memory-budget", budget] for i in range(3)}
+    args = {i: ["--memory-budget", budget, *extra] for i in range(3)}
     args[0] += ["--model", str(model)]
     with netns.cluster(dirs, args) as (_, peers), netns.logs_on_failure(peers):
         netns.wait_for(lambda: netns.sharded_model(peers[0]), SHARDED_S, "the model sharded")

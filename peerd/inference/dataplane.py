@@ -41,7 +41,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -230,6 +230,7 @@ class DataPlane:
         self._wave: list[_Running] = []  # the head's answers waiting to step together
         self._in_flight: set[str] = set()  # the head's answers with a step under way
         self.prefixes = PrefixCache()  # the head's ended answers whose K/V the stages keep
+        self._exit_totals: Counter[str] = Counter()  # what the exit did for ended answers
 
     @property
     def is_head(self) -> bool:
@@ -272,6 +273,8 @@ class DataPlane:
                 self._next_step(running)
             await self._until_done(running)
             await self._until_checked(running)
+            self._exit_totals.update({k: v for k, v in generation.exit_stats.items()
+                                      if isinstance(v, int)}, tokens=len(generation.tokens))
             if running.paused:
                 raise await self._move(generation)
             costs = await self._costs_of(seq_id)
@@ -316,6 +319,18 @@ class DataPlane:
         behind it are gone (standalone)."""
         executor = self.worker.executor
         return executor if self.is_head and executor.exit is not None else None
+
+    def exit_status(self) -> dict | None:
+        """The exit of this plane's head, and what it did for the answers so far (status)."""
+        point = self.worker.executor.exit
+        if point is None or not self.is_head:
+            return None
+        totals = self._exit_totals
+        return {"layer": point.layer, "threshold": self.exits.threshold,
+                "speculative": self.exits.speculative, "tokens": totals["tokens"],
+                "exited": totals["exited"], "agreed": totals["agreed"],
+                "checked": totals["checked"], "drafted": totals["drafted"],
+                "accepted": totals["accepted"]}
 
     def exit_stats(self, generation: Generation) -> dict | None:
         """What the exit did for an answer, where this plane's head has one."""

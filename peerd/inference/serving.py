@@ -629,6 +629,7 @@ class Serving:
             "sequences": sum(e.sequence_count for e in executors.values()),
             "kv_bytes": sum(e.kv_bytes() for e in executors.values()),
             "kept": len(self.answers.plane.prefixes) if self.answers.plane else 0,
+            "exit": plane.exit_status(),
             **answers,
             **dataclasses.asdict(counters),
         }

@@ -476,6 +476,21 @@ def test_the_plan_picture_lists_each_residual_link_with_its_tensors():
     assert "⇢" not in stale and "listed by the next plan event" in stale
 
 
+def test_the_plan_picture_shows_the_heads_exit():
+    status = {"model": {"units": 10}, "dataplane": {"exit": {
+        "layer": 8, "threshold": 0.8, "speculative": 0, "tokens": 40, "exited": 30,
+        "agreed": 27, "checked": 30, "drafted": 0, "accepted": 0}}, "plan": {
+        "id": 7, "epoch": 2, "objective": "latency", "solver": "milp", "model": "m",
+        "predicted": {"throughput_tps": 9.0}, "problem": None,
+        "stages": [{"peer": "a1", "units": list(range(10))}]}}
+    picture = str(draw_plan(status, {"a1": "desk"}, None, Measured()))
+    assert "early exit after layer 8 at 0.8 · 30 of 40 tokens exited (75%) · full model " \
+           "agreed 90%" in picture
+    status["dataplane"]["exit"].update(threshold=None, speculative=4, drafted=20, accepted=5)
+    picture = str(draw_plan(status, {"a1": "desk"}, None, Measured()))
+    assert "speculative: 4 drafts from layer 8 · 5 of 20 drafts accepted (25%)" in picture
+
+
 def _settled(running: LocalCluster):
     """A condition: peer0's status once its plan has stood, with every peer measured, for
     longer than a join takes to settle (a re-plan for a join would hide the rebalance)."""

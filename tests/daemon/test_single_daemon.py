@@ -144,6 +144,8 @@ def test_sigterm_ends_the_daemon_cleanly(daemon):
         (["--peer", "nowhere"], "HOST:PORT"),
         (["--port", "65535"], "out of range"),
         (["--battery-file", "/nonexistent.json"], "--battery-file"),
+        (["--standalone"], "give --early-exit or --speculative too"),
+        (["--early-exit", "-1"], "--early-exit must be a number >= 0"),
     ],
 )
 def test_bad_start_options_fail_with_one_line(tmp_path, args, reason):

@@ -116,9 +116,12 @@ class ChatPane(Vertical):
 
 def _summary(stats: dict[str, Any]) -> str:
     first, rate = stats.get("time_to_first_token_s"), stats.get("tokens_per_second")
+    exits, degraded = stats.get("exit"), stats.get("degraded_tokens")
     return (f"{stats.get('generated_tokens', '?')} tokens"
             + ("" if first is None else f", first after {first:.3f} s")
-            + ("" if rate is None else f", {rate:.1f} tokens/s"))
+            + ("" if rate is None else f", {rate:.1f} tokens/s")
+            + ("" if not exits or not exits["exited"] else f", {exits['exited']} from the exit")
+            + ("" if not degraded else f", {degraded} degraded (the exit alone)"))
 
 
 def shown_text(text: str) -> str:

@@ -53,7 +53,25 @@ def draw_plan(status: dict[str, Any], known: dict[str, str],
     text.append(" · measured ").append(rate(measured.now), "bold").append(" now")
     if measured.last_answer is not None:
         text.append(f" · last answer {rate(measured.last_answer)}")
+    exit_status = (status.get("dataplane") or {}).get("exit")
+    if exit_status is not None:
+        text.append("\n").append(exit_line(exit_status))
     return text
+
+
+def exit_line(exit_status: dict[str, Any]) -> str:
+    """The head's early exit and what it did for the answers so far."""
+    tokens = exit_status["tokens"]
+    if exit_status["speculative"]:
+        drafted, accepted = exit_status["drafted"], exit_status["accepted"]
+        share = f"{accepted / drafted:.0%}" if drafted else "-"
+        return (f"speculative: {exit_status['speculative']} drafts from layer "
+                f"{exit_status['layer']} · {accepted} of {drafted} drafts accepted ({share})")
+    exited, checked = exit_status["exited"], exit_status["checked"]
+    rate_shown = f"{exited / tokens:.0%}" if tokens else "-"
+    agreed = f"{exit_status['agreed'] / checked:.0%}" if checked else "-"
+    return (f"early exit after layer {exit_status['layer']} at {exit_status['threshold']} · "
+            f"{exited} of {tokens} tokens exited ({rate_shown}) · full model agreed {agreed}")
 
 
 def bar(first: int, last: int, total: int, width: int = BAR_WIDTH) -> tuple[int, int]:
