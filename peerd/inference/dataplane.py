@@ -58,6 +58,7 @@ from peerd.inference.pipeline import (
     TokenLogprobs,
     TokenSampler,
     draft,
+    drafts_wanted,
     exit_token,
 )
 from peerd.inference.prefixes import MIN_REUSE, PrefixCache
@@ -322,23 +323,20 @@ class DataPlane:
 
     def exit_status(self) -> dict | None:
         """The exit of this plane's head, and what it did for the answers so far (status)."""
-        point = self.worker.executor.exit
-        if point is None or not self.is_head:
-            return None
         totals = self._exit_totals
-        return {"layer": point.layer, "threshold": self.exits.threshold,
-                "speculative": self.exits.speculative, "tokens": totals["tokens"],
-                "exited": totals["exited"], "agreed": totals["agreed"],
-                "checked": totals["checked"], "drafted": totals["drafted"],
-                "accepted": totals["accepted"]}
+        counts = ("tokens", "exited", "agreed", "checked", "drafted", "accepted")
+        return self._exit_figures({name: totals[name] for name in counts})
 
     def exit_stats(self, generation: Generation) -> dict | None:
         """What the exit did for an answer, where this plane's head has one."""
-        point = self.worker.executor.exit
-        if point is None or not self.is_head:
+        return self._exit_figures(generation.exit_stats)
+
+    def _exit_figures(self, figures: dict) -> dict | None:
+        executor = self.exit_executor
+        if executor is None or executor.exit is None:
             return None
-        return {"layer": point.layer, "threshold": self.exits.threshold,
-                "speculative": self.exits.speculative, **generation.exit_stats}
+        return {"layer": executor.exit.layer, "threshold": self.exits.threshold,
+                "speculative": self.exits.speculative, **figures}
 
     def _keep(self, generation: Generation) -> bool:
         """Keep a finished answer's K/V on the stages for its conversation's next turn;
@@ -430,9 +428,8 @@ class DataPlane:
         """The exit's guesses of the next tokens for the full model to check (speculative
         decoding: greedy answers that ask no log-probabilities, once they have a token)."""
         generation, executor = running.generation, self.worker.executor
-        count = min(self.exits.speculative, generation.max_tokens - len(generation.tokens) - 1)
-        if (count <= 0 or executor.exit is None or not generation.tokens
-                or not running.params.greedy or running.params.logprobs is not None):
+        count = drafts_wanted(self.exits, generation, running.params)
+        if count == 0 or executor.exit is None:
             return []
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._compute, draft, executor, generation, count)

@@ -21,6 +21,7 @@ from peerd.inference.pipeline import (
     StepDone,
     TokenSampler,
     draft,
+    drafts_wanted,
     exit_token,
 )
 from peerd.wire import protocol
@@ -40,7 +41,7 @@ class LocalPipeline:
         self.wire_bytes = 0
         self.on_tokens: OnTokens | None = None
         self._drafts: dict[str, list[int]] = {}  # the drafts each check carries
-        self._greedy: set[str] = set()  # the answers that may draft: greedy ones
+        self._params: dict[str, SamplingParams] = {}
         self._keep = False
 
     def generate(self, requests: Iterable[tuple[Generation, SamplingParams]],
@@ -57,8 +58,7 @@ class LocalPipeline:
             running[generation.seq_id] = generation
             self.sampler.open(generation.seq_id, params)
             self.exit_sampler.open(generation.seq_id, params)
-            if params.greedy:
-                self._greedy.add(generation.seq_id)
+            self._params[generation.seq_id] = params
             ready[0].append(self._next_step(generation))
         while wire or any(ready):
             while wire:
@@ -81,8 +81,8 @@ class LocalPipeline:
                     self._continue(generation, ready[0])
 
     def _next_step(self, generation: Generation) -> Step:
-        count = min(self.exits.speculative, generation.max_tokens - len(generation.tokens) - 1)
-        if count <= 0 or not generation.tokens or generation.seq_id not in self._greedy:
+        count = drafts_wanted(self.exits, generation, self._params[generation.seq_id])
+        if count == 0:
             return generation.next_step()
         drafts = self._drafts[generation.seq_id] = draft(self.workers[0].executor, generation,
                                                          count)
@@ -139,7 +139,7 @@ class LocalPipeline:
     def _close(self, seq_id: str) -> None:
         self.sampler.close(seq_id)
         self.exit_sampler.close(seq_id)
-        self._greedy.discard(seq_id)
+        self._params.pop(seq_id, None)
         if not self._keep:
             self.drop(seq_id)
 

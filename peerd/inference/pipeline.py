@@ -301,6 +301,16 @@ def exit_token(settings: ExitSettings, sampler: TokenSampler, seq_id: str,
     return sampler.sample(seq_id, exit_logits)
 
 
+def drafts_wanted(settings: ExitSettings, generation: Generation,
+                  params: SamplingParams) -> int:
+    """How many tokens the exit drafts for the generation's next step: up to --speculative
+    for greedy answers that ask no log-probabilities, once they have a token, and no more
+    than the answer has room for after the check's own token."""
+    if not generation.tokens or not params.greedy or params.logprobs is not None:
+        return 0
+    return max(min(settings.speculative, generation.max_tokens - len(generation.tokens) - 1), 0)
+
+
 def draft(executor: StageExecutor, generation: Generation, count: int) -> list[int]:
     """The exit's greedy guesses of the generation's next tokens, up to `count`, from the
     units of `executor` alone (it holds unit 0 and the exit). Its K/V keeps the positions
