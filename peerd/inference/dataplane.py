@@ -94,6 +94,9 @@ STATS_TIMEOUT_S = 2.0
 # A batch's steps arrive within a fraction of a millisecond of each other; one that never
 # comes (its sequence ended at the sender) holds the others no longer than this
 GATHER_S = 0.05
+# The full model's tokens of exited steps come within a few steps' time; past this an
+# answer handed over to a new plan re-prefills there rather than waiting on
+CHECKS_ON_HANDOVER_S = 2.0
 
 
 # The answers that say only whether a request about a sequence's K/V was done
@@ -383,15 +386,20 @@ class DataPlane:
 
     async def _until_checked(self, running: _Running) -> None:
         """Wait for the full model's tokens of the steps the exit answered: the stages
-        behind the exit have then run every step (their K/V is whole, to keep or move)."""
+        behind the exit have then run every step (their K/V is whole, to keep or move).
+        An answer paused for a handover waits `CHECKS_ON_HANDOVER_S` at most: a stage
+        that retired its plane before a step reached it never answers, and the answer
+        re-prefills on the next plane instead of moving its K/V (`_move`)."""
+        limit = CHECKS_ON_HANDOVER_S if running.paused else self.limits.stall_s
         while running.generation.unchecked:
             running.checked.clear()
             waited = time.monotonic() - running.active_at
             try:
-                await asyncio.wait_for(running.checked.wait(),
-                                       max(self.limits.stall_s - waited, 0.0))
+                await asyncio.wait_for(running.checked.wait(), max(limit - waited, 0.0))
             except TimeoutError:
-                if time.monotonic() - running.active_at >= self.limits.stall_s:
+                if running.paused:
+                    return
+                if time.monotonic() - running.active_at >= limit:
                     raise GenerationError("the stages behind the exit stopped answering") from None
 
     def _next_step(self, running: _Running) -> None:
@@ -405,12 +413,14 @@ class DataPlane:
             return
         wave, self._wave = self._wave, []
         for running in wave:
-            if running.done.done():
-                continue
-            if self._handover is not None:
-                running.paused = True
-                running.done.set_result(None)
-                continue
+            if not running.done.done():
+                self._step_or_pause(running)
+
+    def _step_or_pause(self, running: _Running) -> None:
+        if self._handover is not None:
+            running.paused = True
+            running.done.set_result(None)
+        else:
             self._step_now(running)
 
     def _step_now(self, running: _Running) -> None:
@@ -482,7 +492,7 @@ class DataPlane:
         self._tell(running, [token], None)
         self._start_wave()  # the answers that waited for this one
         if not running.done.done():
-            self._step_now(running)
+            self._step_or_pause(running)
 
     def _tell(self, running: _Running, tokens: list[int],
               logprobs: TokenLogprobs | None) -> None:
@@ -532,6 +542,8 @@ class DataPlane:
         target = self._handover
         if target is None or generation.cached == 0:
             return PlaneClosed()  # no K/V yet: the new plane's first step is the prefill
+        if generation.unchecked:
+            return PlaneClosed()  # stages behind the exit lack steps: their K/V is not whole
         ask = SequenceMove(0, self.plan, generation.seq_id, target.plan, uuid.uuid4().hex,
                            target.holders())
         moves = [self.send_state(ask) if peer == self.me else self._asked(peer, ask)

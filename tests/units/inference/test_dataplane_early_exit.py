@@ -16,6 +16,7 @@ from peerd.inference.answers import Request
 from peerd.inference.dataplane import Limits
 from peerd.inference.pipeline import NewToken
 from shards.early_exit import ExitSettings
+from shards.executor import StageExecutor
 from shards.sampling import SamplingParams
 
 PROMPTS = [(1, 17, 42, 99, 7), (250, 3), (64, 8, 8, 30, 2, 11), (5,)]
@@ -139,3 +140,64 @@ async def test_standalone_answers_from_the_exit_while_the_later_peers_are_gone(m
     assert answer.degraded == sum(flags) >= 6
     degraded = {i for i, flag in enumerate(flags) if flag}
     assert answer.tokens == _expected_along(model, request.prompt, answer.tokens, degraded)
+
+
+async def test_answers_that_exit_move_with_their_kv_to_a_new_plan(model):
+    """A plan change mid-answer: the answer pauses at a token boundary once the stages
+    behind the exit have run every step it exited, its K/V moves, and it goes on exiting."""
+    result = sharded(model)
+    manifest, directory = result.manifest, result.directory
+    exits = ExitSettings(threshold=0.0, layer=2)
+    async with running_ring(manifest, directory, Limits(send_timeout_s=5.0), stages=STAGES,
+                            exits=exits) as peers:
+        a, b, c = peers
+        new_split = [("a", 0, 4), ("c", 5, 9)]  # b leaves: its units' K/V moves to c
+        c.add_plane("1.2", manifest, new_split, StageExecutor(manifest, directory, 5, 9,
+                                                              shelf=c.shelf))
+        moved_to = a.add_plane("1.2", manifest, new_split, exits=exits)
+        retiring: list[asyncio.Task] = []
+
+        def on_token(new: NewToken) -> None:
+            if not retiring:
+                a.answers.use(moved_to)
+                retiring.append(asyncio.create_task(a.planes["1.1"].retire(moved_to, 10)))
+
+        prompt = PROMPTS[0]
+        request = Request(list(prompt), SamplingParams(), 40, frozenset())
+        answer = await asyncio.wait_for(a.answers.generate(request, on_token), 60)
+        await asyncio.gather(*retiring, b.planes["1.1"].retire(None, 10),
+                             c.planes["1.1"].retire(None, 10))
+    assert answer.tokens == _exit_answer(model, 2, 40, prompt)
+    assert answer.resumed == answer.kv_moved == 1
+    assert answer.exits is not None and answer.exits["exited"] == 40 == answer.exits["checked"]
+
+
+async def test_an_answer_that_exits_stays_exact_when_the_stages_retire_at_once(model):
+    """Every peer retires its old plane as the new plan goes live, the stages behind the
+    exit perhaps before the answer's first step reached them: the answer cannot wait for
+    those steps' tokens, re-prefills on the new plan (or moves, where they came) and stays
+    exact."""
+    result = sharded(model)
+    manifest, directory = result.manifest, result.directory
+    exits = ExitSettings(threshold=0.0, layer=2)
+    async with running_ring(manifest, directory, Limits(send_timeout_s=5.0), stages=STAGES,
+                            exits=exits) as peers:
+        a, b, c = peers
+        new_split = [("a", 0, 4), ("c", 5, 9)]
+        c.add_plane("1.2", manifest, new_split, StageExecutor(manifest, directory, 5, 9,
+                                                              shelf=c.shelf))
+        moved_to = a.add_plane("1.2", manifest, new_split, exits=exits)
+        retiring: list[asyncio.Task] = []
+
+        def on_token(new: NewToken) -> None:
+            if not retiring:
+                a.answers.use(moved_to)
+                retiring.extend(asyncio.create_task(peer.planes["1.1"].retire(handover, 10))
+                                for peer, handover in ((a, moved_to), (b, None), (c, None)))
+
+        prompt = PROMPTS[2]
+        request = Request(list(prompt), SamplingParams(), 40, frozenset())
+        answer = await asyncio.wait_for(a.answers.generate(request, on_token), 60)
+        await asyncio.gather(*retiring)
+    assert answer.tokens == _exit_answer(model, 2, 40, prompt)
+    assert answer.resumed == 1
