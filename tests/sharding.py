@@ -72,3 +72,26 @@ def logits_along(model_dir: Path, ids: tuple[int, ...]) -> np.ndarray:
     model = _transformers_model(model_dir)
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].numpy().astype(np.float32)
+
+
+def exit_head(model_dir: Path):
+    """transformers' final norm and LM head of the model: the early exit, as a function of
+    a hidden state."""
+    model = _transformers_model(model_dir)
+    body = model.model if hasattr(model, "model") else model.transformer
+    norm = body.norm if hasattr(body, "norm") else body.ln_f
+    return lambda hidden: model.lm_head(norm(hidden))
+
+
+@cache
+def exit_reference(model_dir: Path, layer: int, prompt: tuple[int, ...],
+                   new_tokens: int) -> list[int]:
+    """Greedy tokens, each transformers' argmax of lm_head(norm(hidden_states[layer])) for
+    the tokens before it."""
+    model, head = _transformers_model(model_dir), exit_head(model_dir)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[layer]
+            ids.append(int(head(hidden[0, -1]).argmax()))
+    return ids[len(prompt):]

@@ -14,9 +14,8 @@ import subprocess
 
 import netns
 import pytest
-from sharding import reference
+from sharding import exit_reference, reference
 from streaming import head_of, split_cluster
-from test_early_exit import _exit_answer
 
 pytestmark = [pytest.mark.cluster, netns.needs_namespaces]
 
@@ -54,7 +53,7 @@ def test_answers_with_the_exit_are_exact_on_every_peer(cluster):
             assert answer["token_ids"] == reference(model_dir, PROMPT, NEW_TOKENS)[0]
             assert exits["checks"] < NEW_TOKENS and exits["drafted"] > 0
         else:
-            assert answer["token_ids"] == _exit_answer(model_dir, 1, NEW_TOKENS)
+            assert answer["token_ids"] == exit_reference(model_dir, 1, PROMPT, NEW_TOKENS)
             assert exits["exited"] == exits["checked"] == NEW_TOKENS
             assert [stage["steps"] for stage in answer["stats"]["stages"]][1:] == [
                 NEW_TOKENS] * (len(answer["stats"]["stages"]) - 1)

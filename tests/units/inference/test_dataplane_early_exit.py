@@ -9,8 +9,7 @@ import asyncio
 import pytest
 import torch
 from ring import Peer, link, load, reachable, running_ring
-from sharding import _transformers_model, reference, sharded
-from test_early_exit import _exit_answer, _final_norm_and_head
+from sharding import _transformers_model, exit_head, exit_reference, reference, sharded
 
 from peerd.inference.answers import Request
 from peerd.inference.dataplane import Limits
@@ -49,7 +48,7 @@ async def _answers(model_dir, exits: ExitSettings):
 async def test_an_always_confident_exit_answers_from_its_layer_at_once(model):
     answered = await _answers(model, ExitSettings(threshold=0.0, layer=2))
     for prompt, answer in zip(PROMPTS, answered, strict=True):
-        assert answer.tokens == _exit_answer(model, 2, NEW_TOKENS, prompt)
+        assert answer.tokens == exit_reference(model, 2, prompt, NEW_TOKENS)
         assert answer.exits is not None
         assert answer.exits["layer"] == 2
         assert answer.exits["exited"] == NEW_TOKENS == answer.exits["checked"]
@@ -76,7 +75,7 @@ def _expected_along(model_dir, prompt, tokens, degraded: set[int]) -> list[int]:
     """Token by token, what the answer should hold: the exit's argmax (after layer 2) where
     it was degraded, the full model's elsewhere, each given the tokens before it."""
     model = _transformers_model(model_dir)
-    head = _final_norm_and_head(model)
+    head = exit_head(model_dir)
     ids, expected = list(prompt), []
     with torch.no_grad():
         for index in range(len(tokens)):
@@ -167,7 +166,7 @@ async def test_answers_that_exit_move_with_their_kv_to_a_new_plan(model):
         answer = await asyncio.wait_for(a.answers.generate(request, on_token), 60)
         await asyncio.gather(*retiring, b.planes["1.1"].retire(None, 10),
                              c.planes["1.1"].retire(None, 10))
-    assert answer.tokens == _exit_answer(model, 2, 40, prompt)
+    assert answer.tokens == exit_reference(model, 2, prompt, 40)
     assert answer.resumed == answer.kv_moved == 1
     assert answer.exits is not None and answer.exits["exited"] == 40 == answer.exits["checked"]
 
@@ -199,5 +198,5 @@ async def test_an_answer_that_exits_stays_exact_when_the_stages_retire_at_once(m
         request = Request(list(prompt), SamplingParams(), 40, frozenset())
         answer = await asyncio.wait_for(a.answers.generate(request, on_token), 60)
         await asyncio.gather(*retiring)
-    assert answer.tokens == _exit_answer(model, 2, 40, prompt)
+    assert answer.tokens == exit_reference(model, 2, prompt, 40)
     assert answer.resumed == 1

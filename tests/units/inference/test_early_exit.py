@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from sharding import _transformers_model, reference, sharded
+from sharding import _transformers_model, exit_reference, reference, sharded
 
 from peerd.commands.generate import build_pipeline, generate
 from peerd.errors import PeerdError
@@ -40,25 +40,6 @@ def _run(model_dir, parts: int, exits: ExitSettings, params: SamplingParams = GR
     return run
 
 
-def _final_norm_and_head(model):
-    body = model.model if hasattr(model, "model") else model.transformer
-    norm = body.norm if hasattr(body, "norm") else body.ln_f
-    return lambda hidden: model.lm_head(norm(hidden))
-
-
-def _exit_answer(model_dir, layer: int, new_tokens: int,
-                 prompt: tuple[int, ...] = PROMPT) -> list[int]:
-    """Greedy tokens, each transformers' argmax of lm_head(norm(hidden_states[layer]))."""
-    model = _transformers_model(model_dir)
-    head = _final_norm_and_head(model)
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[layer]
-            ids.append(int(head(hidden[0, -1]).argmax()))
-    return ids[len(prompt):]
-
-
 def test_an_exit_never_confident_enough_changes_nothing(model):
     tokens, _ = reference(model, PROMPT, NEW_TOKENS)
     run = _run(model, 3, ExitSettings(threshold=1.01))
@@ -71,7 +52,7 @@ def test_an_always_confident_exit_answers_from_its_layer(model, parts, layer):
     run = _run(model, parts, ExitSettings(threshold=0.0, layer=layer))
     exit_layer = run.stats["exit"]["layer"]
     assert exit_layer == (layer or LAYERS // 2)
-    assert run.token_ids == _exit_answer(model, exit_layer, NEW_TOKENS)
+    assert run.token_ids == exit_reference(model, exit_layer, PROMPT, NEW_TOKENS)
     assert run.stats["exit"]["exited"] == NEW_TOKENS == run.stats["exit"]["checked"]
 
 
