@@ -4,8 +4,10 @@ In a pre-norm transformer the residual stream after any decoder layer has the sh
 one the head unit (final norm, LM head) reads after the last layer, so the head unit's
 session, fed the stream after `layer` layers, gives that depth's next-token logits: the
 exit. `ExitPoint` names where the exit reads; the stage executor that holds the exit's
-unit runs the head on it for the last position of every step (`EXIT_LOGITS` in the step's
-outputs). Confidence is the top softmax probability of the raw logits.
+unit gives that stream at the last position of every step (`EXIT_HIDDEN` in the step's
+outputs) and runs the head on it when asked (`StageExecutor.exit_logits`): after the step's
+messages are on their way, so the stages behind start at once. Confidence is the top softmax
+probability of the raw logits.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 
 from shards.manifest import Manifest
 
-EXIT_LOGITS = "exit.logits"  # a step's output on the stage with the exit: [B, 1, vocab]
+EXIT_HIDDEN = "exit.hidden"  # a step's output on the stage with the exit: [B, 1, hidden]
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ import numpy as np
 import onnxruntime as ort
 
 from shards import heap
-from shards.early_exit import EXIT_LOGITS, ExitPoint
+from shards.early_exit import EXIT_HIDDEN, ExitPoint
 from shards.manifest import Manifest, StateSpec, Unit
 
 # ONNX Runtime's native module (what onnxruntime's Python classes wrap): untyped
@@ -115,8 +115,9 @@ class StageExecutor:
         """Units [first, last] of `manifest`, their model files in `unit_dir` (a file
         named by an absolute path is found there). With `shelf`, a unit whose session
         another executor of the shelf holds is not loaded again. With `exit` (one of these
-        units), every step also gives the exit's logits of its last position
-        (`EXIT_LOGITS`): the head unit's file must be in `unit_dir` too."""
+        units), every step also gives the hidden state the exit reads at its last position
+        (`EXIT_HIDDEN`), for `exit_logits`: the head unit's file must be in `unit_dir`
+        too."""
         if not 0 <= first <= last < len(manifest.units):
             raise ValueError(
                 f"unit range [{first}, {last}] is not within 0..{len(manifest.units) - 1}"
@@ -237,11 +238,17 @@ class StageExecutor:
 
     def _outputs(self, values: dict[str, Value]) -> dict[str, np.ndarray]:
         outputs = {name: _numpy(values[name]) for name in self.outputs}
-        if self.exit is not None and self._exit_run is not None:
-            last = np.ascontiguousarray(_numpy(values[self.exit.hidden])[:, -1:])
-            produced = self._exit_run({self.exit.head_input: _native(last)})
-            outputs[EXIT_LOGITS] = _numpy(next(iter(produced.values())))
+        if self.exit is not None:
+            outputs[EXIT_HIDDEN] = np.array(_numpy(values[self.exit.hidden])[:, -1:])
         return outputs
+
+    def exit_logits(self, hidden: np.ndarray) -> np.ndarray:
+        """The exit's logits [B, 1, vocab] of a step's `EXIT_HIDDEN`: the head unit's final
+        norm and LM head on the hidden state after the exit's layer."""
+        if self.exit is None or self._exit_run is None:
+            raise ValueError(f"units {self.first}-{self.last} have no exit")
+        produced = self._exit_run({self.exit.head_input: _native(np.ascontiguousarray(hidden))})
+        return _numpy(next(iter(produced.values())))
 
     def _batched_state(self, seq_ids: tuple[str, ...]) -> tuple[dict[str, Value], list[int]]:
         """The K/V of `seq_ids` as one batch, and each one's padding: as the last step left

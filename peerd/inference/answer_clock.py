@@ -42,7 +42,7 @@ class AnswerClock:
             return
         self.tokens += 1
         self._gaps.append(gap)
-        if alone:
+        if alone and interval > 0:  # tokens of one clock tick say nothing of the latency
             self._alone.append(interval)
 
     def figures(self, plan: str) -> AnswerFigures:

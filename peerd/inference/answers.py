@@ -36,7 +36,7 @@ from peerd.inference.dataplane import (
 )
 from peerd.inference.pipeline import Generation, NewToken
 from peerd.wire.protocol import SequenceStats
-from shards.early_exit import EXIT_LOGITS
+from shards.early_exit import EXIT_HIDDEN
 from shards.executor import StageExecutor
 from shards.sampling import Sampler, SamplingParams
 
@@ -175,7 +175,8 @@ class Answers:
             while not generation.finished and not self._serving_again(left):
                 step = generation.next_step()
                 outputs = await asyncio.to_thread(stage.step, generation.seq_id, step.inputs)
-                token = sampler(outputs[EXIT_LOGITS][0, -1])
+                logits = await asyncio.to_thread(stage.exit_logits, outputs[EXIT_HIDDEN])
+                token = sampler(logits[0, -1])
                 generation.record(step.step, token)
                 generation.degraded += 1
                 if on_token(NewToken(token, None, generation.finished, degraded=True)):

@@ -147,6 +147,8 @@ class _Running:
     paused: bool = False  # stopped at a token boundary, to move to the handover plane
     last_token_at: float | None = None  # on this plane
     drafts: list[int] = field(default_factory=list)  # what the step under way checks
+    deciding: int | None = None  # the step whose exit is being computed
+    held: tuple | None = None  # the full model's token for it, come meanwhile (_on_token args)
     checked: asyncio.Event = field(default_factory=asyncio.Event)  # no exited step unchecked
 
 
@@ -463,6 +465,9 @@ class DataPlane:
             return
         if running.done.done():
             return
+        if running.deciding == step:  # the exit decides first: its answer must not race
+            running.held = (seq_id, step, token, logprobs, checks)
+            return
         self._in_flight.discard(seq_id)
         try:
             if running.drafts or checks:
@@ -500,10 +505,11 @@ class DataPlane:
         caller)."""
         generation = running.generation
         now = running.active_at = time.monotonic()
+        last, running.last_token_at = running.last_token_at, now
+        # tokens a speculative check gives together share the time since the last one
+        each = None if last is None else (now - last) / len(tokens)
         for index, token in enumerate(tokens):
-            last, running.last_token_at = running.last_token_at, now
-            self.answer_clock.token(now, None if last is None else now - last,
-                                    alone=len(self._running) == 1)
+            self.answer_clock.token(now, each, alone=len(self._running) == 1)
             final = generation.finished and index == len(tokens) - 1
             if running.on_token(NewToken(token, logprobs, final)) and not final:
                 generation.stop_after(len(generation.tokens) - len(tokens) + index + 1)
@@ -732,11 +738,6 @@ class DataPlane:
         if seq_id in self._ended or self.closed:
             self.worker.drop(seq_id)
             return
-        running = self._running.get(seq_id)
-        if done.exit_logits is not None and running is not None and not running.done.done():
-            token = exit_token(self.exits, self.exit_sampler, seq_id, done.exit_logits)
-            if token is not None:
-                self._on_exit(running, step, token)
         cost = self._costs.setdefault(seq_id, _SequenceCost())
         cost.add(done)
         started = time.perf_counter()
@@ -749,6 +750,8 @@ class DataPlane:
             self._lost_peer(seq_id, f"stage {self.stage}, step {step}: {exc}")
             return
         cost.transfer_s += time.perf_counter() - started
+        if done.exit_hidden is not None:
+            await self._try_exit(seq_id, step, done.exit_hidden)
         if done.logits is not None:
             if seq_id not in self.sampler:  # a step of a sequence the head never opened
                 self.worker.drop(seq_id)
@@ -761,6 +764,28 @@ class DataPlane:
         if step > 0:  # the planner prices decode steps; step 0 is the prefill
             outside = time.monotonic() - ready_at - sum(done.unit_s.values())
             self.unit_clock.record(self.model, done.unit_s, outside)
+
+    async def _try_exit(self, seq_id: str, step: int, hidden) -> None:
+        """The exit's token for the step, where it is sure enough and the full model's did
+        not come first. It runs once the step's messages are on their way: the stages behind
+        start at once, and a step the exit cannot answer costs them no wait (on the bench
+        model's first stage the LM head is as much work as 3 of its 12 layers)."""
+        running = self._running.get(seq_id)
+        if self.exits.threshold is None or running is None or running.done.done():
+            return
+        executor = self.worker.executor
+        running.deciding = step
+        try:
+            loop = asyncio.get_running_loop()
+            logits = await loop.run_in_executor(self._compute, executor.exit_logits, hidden)
+            token = exit_token(self.exits, self.exit_sampler, seq_id, logits)
+            if token is not None and not running.done.done():
+                self._on_exit(running, step, token)
+        finally:
+            running.deciding, held = None, running.held
+            running.held = None
+            if held is not None:  # now a check of the exit's token, or the step's token
+                self._on_token(*held)
 
     async def _computed(self, step: Step) -> StepDone:
         """The step, run on the compute thread together with every other step ready when

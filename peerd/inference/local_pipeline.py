@@ -75,7 +75,7 @@ class LocalPipeline:
                     self.wire_bytes += sum(len(f) for f in frames)
                     wire.append((out.target, stage, frames))
                 generation = running[done.seq_id]
-                if done.exit_logits is not None and self._exited(generation, done):
+                if done.exit_hidden is not None and self._exited(generation, done):
                     self._continue(generation, ready[0])
                 if done.logits is not None and self._sampled(generation, done):
                     self._continue(generation, ready[0])
@@ -97,13 +97,14 @@ class LocalPipeline:
 
     def _exited(self, generation: Generation, done: StepDone) -> bool:
         """The exit answered the step: True when the answer goes on from its token."""
-        if generation.finished or done.exit_logits is None:
+        if generation.finished or done.exit_hidden is None or self.exits.threshold is None:
             return False
-        token = exit_token(self.exits, self.exit_sampler, done.seq_id, done.exit_logits)
+        logits = self.workers[0].executor.exit_logits(done.exit_hidden)
+        token = exit_token(self.exits, self.exit_sampler, done.seq_id, logits)
         if token is None:
             return False
         generation.record(done.step, token, exited=True)
-        self._tell(generation, [token], done.exit_logits[0])
+        self._tell(generation, [token], logits[0])
         return True
 
     def _sampled(self, generation: Generation, done: StepDone) -> bool:

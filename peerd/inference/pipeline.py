@@ -24,7 +24,7 @@ import numpy as np
 from peerd.inference.routing import Route, StageRoutes
 from peerd.wire.protocol import StageData
 from shards import heap
-from shards.early_exit import EXIT_LOGITS, ExitSettings, confidence
+from shards.early_exit import EXIT_HIDDEN, ExitSettings, confidence
 from shards.executor import StageExecutor
 from shards.sampling import Ranked, Sampler, SamplingParams, token_logprobs
 
@@ -85,7 +85,7 @@ class StepDone:
     sequential_bytes: int  # sent to the next stage
     residual_bytes: int  # sent to later stages
     unit_s: dict[int, float] = field(default_factory=dict)  # each unit's seconds, its batch's
-    exit_logits: np.ndarray | None = None  # on the stage with the early exit: [1, 1, vocab]
+    exit_hidden: np.ndarray | None = None  # on the stage with the exit: what it reads
     rows: int = 1  # positions whose tokens the last stage gives
 
 
@@ -202,14 +202,14 @@ class StageWorker:
 
     def _done(self, step: Step, produced: Tensors, seconds: float,
               unit_s: dict[int, float], batch: Batch) -> StepDone:
-        exit_logits = produced.pop(EXIT_LOGITS, None)
+        exit_hidden = produced.pop(EXIT_HIDDEN, None)
         available = {**step.inputs, **produced}
         outgoing = [self._message(step, route, available, batch) for route in self.routes.sends]
         logits = available[self.routes.returns[0]] if self.routes.returns else None
         sequential = sum(o.nbytes for o in outgoing if o.target == self.stage + 1)
         done = StepDone(self.stage, step.seq_id, step.step, outgoing, logits, seconds,
                         sequential, sum(o.nbytes for o in outgoing) - sequential, unit_s,
-                        exit_logits, step.rows)
+                        exit_hidden, step.rows)
         self._count(done)
         return done
 
@@ -321,7 +321,8 @@ def draft(executor: StageExecutor, generation: Generation, count: int) -> list[i
         token = drafts[-1] if drafts else context[-1]
         inputs = {"input_ids": np.array([[token]], np.int64),
                   "position_ids": np.array([[position]], np.int64)}
-        drafts.append(int(np.argmax(executor.step(generation.seq_id, inputs)[EXIT_LOGITS][0, -1])))
+        hidden = executor.step(generation.seq_id, inputs)[EXIT_HIDDEN]
+        drafts.append(int(np.argmax(executor.exit_logits(hidden)[0, -1])))
         if drafts[-1] in generation.stop_ids:
             break
     return drafts
