@@ -1,8 +1,8 @@
 """Acceptance: early exit and speculative decoding on a three-namespace cluster of daemons.
 
 Every peer starts with the same flags (only the head of the plan, which holds the first
-stage, uses them). With `--speculative N` a chat's answer is exactly transformers' greedy
-answer; with `--early-exit 0` every token comes from the exit after layer 1, each equal to
+stage, uses them). With `--speculative N`, N from 1 to 4, a chat's answer is exactly
+transformers' greedy answer; with `--early-exit 0` every token comes from the exit after layer 1, each equal to
 transformers' argmax of lm_head(norm(hidden_states[1])) for the tokens before it, and the
 stages behind the exit still ran every step. `peerd status --json` shows the head's exit.
 """
@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.cluster, netns.needs_namespaces]
 ANSWER_S = 120
 NEW_TOKENS = 24
 PROMPT = (1, 17, 42, 99, 7, 250, 3, 64)
-FLAGS = {"speculative": ("--speculative", "3", "--exit-layer", "1"),
+FLAGS = {**{f"speculative-{n}": ("--speculative", str(n), "--exit-layer", "1")
+            for n in range(1, 5)},
          "exit": ("--early-exit", "0", "--exit-layer", "1")}
 
 
@@ -49,7 +50,7 @@ def test_answers_with_the_exit_are_exact_on_every_peer(cluster):
         answer = _chat(peer)
         exits = answer["stats"]["exit"]
         assert exits is not None and exits["layer"] == 1, answer["stats"]
-        if mode == "speculative":
+        if mode.startswith("speculative"):
             assert answer["token_ids"] == reference(model_dir, PROMPT, NEW_TOKENS)[0]
             assert exits["checks"] < NEW_TOKENS and exits["drafted"] > 0
         else:
@@ -70,4 +71,5 @@ def test_status_shows_the_heads_exit(cluster):
     if mode == "exit":
         assert exit_status["exited"] == exit_status["tokens"]
     else:
-        assert exit_status["speculative"] == 3 and exit_status["drafted"] > 0
+        assert exit_status["speculative"] == int(mode.split("-")[1])
+        assert exit_status["drafted"] > 0
