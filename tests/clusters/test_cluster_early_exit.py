@@ -2,9 +2,11 @@
 
 Every peer starts with the same flags (only the head of the plan, which holds the first
 stage, uses them). With `--speculative N`, N from 1 to 4, a chat's answer is exactly
-transformers' greedy answer; with `--early-exit 0` every token comes from the exit after layer 1, each equal to
-transformers' argmax of lm_head(norm(hidden_states[1])) for the tokens before it, and the
-stages behind the exit still ran every step. `peerd status --json` shows the head's exit.
+transformers' greedy answer; with `--early-exit 0` every token comes from the exit after
+layer 1, each equal to transformers' argmax of lm_head(norm(hidden_states[1])) for the
+tokens before it, and the stages behind the exit still ran every step (with `--standalone`
+too, which changes nothing while the cluster serves: no token is degraded). `peerd status
+--json` shows the head's exit.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ NEW_TOKENS = 24
 PROMPT = (1, 17, 42, 99, 7, 250, 3, 64)
 FLAGS = {**{f"speculative-{n}": ("--speculative", str(n), "--exit-layer", "1")
             for n in range(1, 5)},
-         "exit": ("--early-exit", "0", "--exit-layer", "1")}
+         "exit": ("--early-exit", "0", "--exit-layer", "1", "--standalone")}
 
 
 @pytest.fixture(scope="module", params=sorted(FLAGS))
