@@ -141,9 +141,14 @@ async def test_standalone_answers_from_the_exit_while_the_later_peers_are_gone(m
     assert answer.tokens == _expected_along(model, request.prompt, answer.tokens, degraded)
 
 
-async def test_answers_that_exit_move_with_their_kv_to_a_new_plan(model):
-    """A plan change mid-answer: the answer pauses at a token boundary once the stages
-    behind the exit have run every step it exited, its K/V moves, and it goes on exiting."""
+@pytest.mark.parametrize("stages_retire", ["after the answer", "at once"])
+async def test_answers_that_exit_move_to_a_new_plan_and_stay_exact(model, stages_retire):
+    """A plan change mid-answer. Where the stages behind the exit serve on until the answer
+    left, it pauses at a token boundary once they have run every step it exited, its K/V
+    moves, and it goes on exiting. Where every peer retires its old plane at once, those
+    stages perhaps before the answer's first step reached them, the answer cannot wait for
+    those steps' tokens: it re-prefills on the new plan (or moves, where they came). Either
+    way the answer is exact."""
     result = sharded(model)
     manifest, directory = result.manifest, result.directory
     exits = ExitSettings(threshold=0.0, layer=2)
@@ -154,49 +159,25 @@ async def test_answers_that_exit_move_with_their_kv_to_a_new_plan(model):
         c.add_plane("1.2", manifest, new_split, StageExecutor(manifest, directory, 5, 9,
                                                               shelf=c.shelf))
         moved_to = a.add_plane("1.2", manifest, new_split, exits=exits)
-        retiring: list[asyncio.Task] = []
-
-        def on_token(new: NewToken) -> None:
-            if not retiring:
-                a.answers.use(moved_to)
-                retiring.append(asyncio.create_task(a.planes["1.1"].retire(moved_to, 10)))
-
-        prompt = PROMPTS[0]
-        request = Request(list(prompt), SamplingParams(), 40, frozenset())
-        answer = await asyncio.wait_for(a.answers.generate(request, on_token), 60)
-        await asyncio.gather(*retiring, b.planes["1.1"].retire(None, 10),
-                             c.planes["1.1"].retire(None, 10))
-    assert answer.tokens == exit_reference(model, 2, prompt, 40)
-    assert answer.resumed == answer.kv_moved == 1
-    assert answer.exits is not None and answer.exits["exited"] == 40 == answer.exits["checked"]
-
-
-async def test_an_answer_that_exits_stays_exact_when_the_stages_retire_at_once(model):
-    """Every peer retires its old plane as the new plan goes live, the stages behind the
-    exit perhaps before the answer's first step reached them: the answer cannot wait for
-    those steps' tokens, re-prefills on the new plan (or moves, where they came) and stays
-    exact."""
-    result = sharded(model)
-    manifest, directory = result.manifest, result.directory
-    exits = ExitSettings(threshold=0.0, layer=2)
-    async with running_ring(manifest, directory, Limits(send_timeout_s=5.0), stages=STAGES,
-                            exits=exits) as peers:
-        a, b, c = peers
-        new_split = [("a", 0, 4), ("c", 5, 9)]
-        c.add_plane("1.2", manifest, new_split, StageExecutor(manifest, directory, 5, 9,
-                                                              shelf=c.shelf))
-        moved_to = a.add_plane("1.2", manifest, new_split, exits=exits)
+        handovers = [(a, moved_to), (b, None), (c, None)]
+        now, later = (handovers, []) if stages_retire == "at once" else (handovers[:1],
+                                                                        handovers[1:])
         retiring: list[asyncio.Task] = []
 
         def on_token(new: NewToken) -> None:
             if not retiring:
                 a.answers.use(moved_to)
                 retiring.extend(asyncio.create_task(peer.planes["1.1"].retire(handover, 10))
-                                for peer, handover in ((a, moved_to), (b, None), (c, None)))
+                                for peer, handover in now)
 
-        prompt = PROMPTS[2]
+        prompt = PROMPTS[0]
         request = Request(list(prompt), SamplingParams(), 40, frozenset())
         answer = await asyncio.wait_for(a.answers.generate(request, on_token), 60)
-        await asyncio.gather(*retiring)
+        await asyncio.gather(*retiring, *(peer.planes["1.1"].retire(None, 10)
+                                          for peer, _ in later))
     assert answer.tokens == exit_reference(model, 2, prompt, 40)
     assert answer.resumed == 1
+    if later:
+        assert answer.kv_moved == 1
+        assert answer.exits is not None
+        assert answer.exits["exited"] == 40 == answer.exits["checked"]
