@@ -58,6 +58,16 @@ class ExitSettings:
     def enabled(self) -> bool:
         return self.threshold is not None or self.speculative > 0
 
+    def figures(self, point: ExitPoint, counts: dict) -> dict:
+        """What the --json stats and the status say of an exit: where it is, these settings,
+        and `counts` (of one answer or of all so far)."""
+        return {"layer": point.layer, "threshold": self.threshold,
+                "speculative": self.speculative, **counts}
+
+
+# what an exit did, counted per answer and summed per plane
+EXIT_COUNTS = ("exited", "agreed", "checked", "drafted", "accepted")
+
 
 def exit_point(manifest: Manifest, layer: int) -> ExitPoint:
     """The exit after `layer` decoder layers; ValueError (one line) where there is none."""

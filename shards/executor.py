@@ -404,9 +404,8 @@ class StageExecutor:
 
     def truncate(self, seq_id: str, length: int) -> None:
         """Keep only the first `length` positions of the sequence's K/V (the positions
-        of drafted tokens the full model rejected)."""
-        if length != self.length(seq_id):
-            self.fork(seq_id, seq_id, length)
+        of drafted tokens the full model rejected): a fork of the sequence onto itself."""
+        self.fork(seq_id, seq_id, length)
 
     @property
     def holds_state(self) -> bool:

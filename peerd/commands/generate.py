@@ -154,9 +154,8 @@ def generate(
 
 def exit_stats(pipeline: LocalPipeline, generation: Generation) -> dict:
     point = pipeline.workers[0].executor.exit
-    return {"layer": None if point is None else point.layer,
-            "threshold": pipeline.exits.threshold, "speculative": pipeline.exits.speculative,
-            **generation.exit_stats}
+    assert point is not None  # build_pipeline places one wherever exits are enabled
+    return pipeline.exits.figures(point, generation.exit_stats)
 
 
 def _check_lengths(manifest: Manifest, prompt: list[int], max_tokens: int) -> None:

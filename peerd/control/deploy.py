@@ -41,7 +41,7 @@ from peerd.control.unit_store import UnitStore
 from peerd.control.unit_transfer import CHUNK_BYTES, Ask, fetch_file
 from peerd.wire.protocol import DeployReport, PlanAssignment, PlanStage
 from peerd.wire.states import DeployState
-from shards.early_exit import ExitPoint, ExitSettings, last_exit_layer, stage_exit
+from shards.early_exit import ExitPoint, ExitSettings, exit_point, last_exit_layer
 from shards.executor import ExecutorOptions, HeldUnit, SessionShelf, StageExecutor
 from shards.manifest import Manifest, ManifestError, Unit, UnitFile
 
@@ -210,9 +210,9 @@ class Deployment:
         if layer == 0:
             log.warning("no early exit: units %s hold no whole decoder layer", _range(stage))
             return None
-        if layer != (self.exits.layer or layer):
+        if self.exits.layer is not None and layer < self.exits.layer:
             log.warning("early exit after layer %d: units %s end there", layer, _range(stage))
-        return stage_exit(manifest, stage.last, layer)
+        return exit_point(manifest, layer)
 
     async def _hold_copies(self, model_peer: str, manifest: Manifest, stage: PlanStage) -> None:
         """Fetch and load the stage's movable copies, without a word to the leader: the

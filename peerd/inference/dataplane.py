@@ -42,7 +42,7 @@ import logging
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -81,7 +81,7 @@ from peerd.wire.protocol import (
     StageData,
 )
 from peerd.wire.transport import Transport, TransportError
-from shards.early_exit import ExitSettings
+from shards.early_exit import EXIT_COUNTS, ExitSettings
 from shards.executor import StageExecutor
 from shards.manifest import Manifest
 from shards.sampling import SamplingParams
@@ -279,8 +279,9 @@ class DataPlane:
                 self._next_step(running)
             await self._until_done(running)
             await self._until_checked(running)
-            self._exit_totals.update({k: v for k, v in generation.exit_stats.items()
-                                      if isinstance(v, int)}, tokens=len(generation.tokens))
+            stats = generation.exit_stats
+            self._exit_totals.update({name: stats[name] for name in EXIT_COUNTS},
+                                     tokens=len(generation.tokens))
             if running.paused:
                 raise await self._move(generation)
             costs = await self._costs_of(seq_id)
@@ -329,8 +330,7 @@ class DataPlane:
     def exit_status(self) -> dict | None:
         """The exit of this plane's head, and what it did for the answers so far (status)."""
         totals = self._exit_totals
-        counts = ("tokens", "exited", "agreed", "checked", "drafted", "accepted")
-        return self._exit_figures({name: totals[name] for name in counts})
+        return self._exit_figures({name: totals[name] for name in ("tokens", *EXIT_COUNTS)})
 
     def exit_stats(self, generation: Generation) -> dict | None:
         """What the exit did for an answer, where this plane's head has one."""
@@ -340,8 +340,7 @@ class DataPlane:
         executor = self.exit_executor
         if executor is None or executor.exit is None:
             return None
-        return {"layer": executor.exit.layer, "threshold": self.exits.threshold,
-                "speculative": self.exits.speculative, **figures}
+        return self.exits.figures(executor.exit, figures)
 
     def _keep(self, generation: Generation) -> bool:
         """Keep a finished answer's K/V on the stages for its conversation's next turn;
@@ -375,16 +374,9 @@ class DataPlane:
 
     async def _until_done(self, running: _Running) -> None:
         stall = self.limits.stall_s
-        while True:
-            waited = time.monotonic() - running.active_at
-            try:
-                await asyncio.wait_for(asyncio.shield(running.done), max(stall - waited, 0.0))
-                return
-            except TimeoutError:
-                if time.monotonic() - running.active_at >= stall:
-                    raise GenerationError(
-                        f"no token for {stall:.0f}s: a peer of the plan stopped answering"
-                    ) from None
+        if not await _while_heard(running, lambda: asyncio.shield(running.done), stall):
+            raise GenerationError(
+                f"no token for {stall:.0f}s: a peer of the plan stopped answering")
 
     async def _until_checked(self, running: _Running) -> None:
         """Wait for the full model's tokens of the steps the exit answered: the stages
@@ -395,14 +387,11 @@ class DataPlane:
         limit = CHECKS_ON_HANDOVER_S if running.paused else self.limits.stall_s
         while running.generation.unchecked:
             running.checked.clear()
-            waited = time.monotonic() - running.active_at
-            try:
-                await asyncio.wait_for(running.checked.wait(), max(limit - waited, 0.0))
-            except TimeoutError:
-                if running.paused:
-                    return
-                if time.monotonic() - running.active_at >= limit:
-                    raise GenerationError("the stages behind the exit stopped answering") from None
+            if await _while_heard(running, running.checked.wait, limit):
+                continue
+            if running.paused:
+                return
+            raise GenerationError("the stages behind the exit stopped answering")
 
     def _next_step(self, running: _Running) -> None:
         self._wave.append(running)
@@ -899,6 +888,20 @@ class DataPlane:
         for seq_id in list(self._live | set(self._running) | computing):
             self._forget(seq_id)
 
+
+
+async def _while_heard(running: _Running, wait: Callable[[], Awaitable[object]],
+                       limit: float) -> bool:
+    """Await `wait()` while the answer hears from its stages: False once it has heard
+    nothing for `limit` seconds (`active_at`, which each token and check moves on)."""
+    while True:
+        waited = time.monotonic() - running.active_at
+        try:
+            await asyncio.wait_for(wait(), max(limit - waited, 0.0))
+            return True
+        except TimeoutError:
+            if time.monotonic() - running.active_at >= limit:
+                return False
 
 
 def _token_message(seq_id: str, step: int, token: int, logprobs: TokenLogprobs | None,
