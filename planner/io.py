@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from planner.errors import InvalidInput
+from planner.groups import Shape
 from planner.model import Battery, Cluster, Device, Link, Output, Plan, Unit, Workload
 
 MANIFEST_FORMAT = 3
@@ -156,9 +157,12 @@ def _consumers(raw: Any, where: str, unit: int, count: int, manifest: bool) -> t
 
 def _unit(raw: Any, where: str, index: int, count: int, manifest: bool) -> Unit:
     if manifest:
-        flops = _number(_field(raw, "flops_per_token", where), "decode", f"{where}.flops_per_token")
+        per_token = _field(raw, "flops_per_token", where)
+        flops = _number(per_token, "decode", f"{where}.flops_per_token")
+        prefill = _number(per_token, "prefill", f"{where}.flops_per_token")
     else:
         flops = _number(raw, "flops", where)
+        prefill = _number(raw, "prefill_flops", where, default=flops)
     size_key = "bytes_per_token" if manifest else "bytes"
     outputs = []
     for j, out in enumerate(_list(raw, "outputs", where, default=[])):
@@ -170,7 +174,16 @@ def _unit(raw: Any, where: str, index: int, count: int, manifest: bool) -> Unit:
         weight_bytes=_number(raw, "weight_bytes", where),
         kv_bytes_per_token=_number(raw, "kv_bytes_per_token", where),
         outputs=tuple(outputs),
+        prefill_flops=prefill,
+        share_grains=_grains(raw, where),
     )
+
+
+def _grains(raw: Any, where: str) -> int:
+    grains = raw.get("share_grains", 0)
+    if isinstance(grains, bool) or not isinstance(grains, int) or grains < 0:
+        raise InvalidInput(f"{where}.share_grains must be a whole number >= 0, got {grains!r}")
+    return grains
 
 
 def workload_from_dict(raw: Any) -> Workload:
@@ -206,4 +219,19 @@ def plan_to_dict(plan: Plan) -> dict:
         },
         "solve_s": plan.solve_s,
         "movable": _stage_list(plan, plan.movable),
+    }
+
+
+def shape_to_dict(shape: Shape) -> dict:
+    """A shape as `peerd plan --shapes --json` prints it: each stage's peers and shares."""
+    p = shape.predicted
+    return {
+        "kind": shape.kind.value,
+        "objective": shape.objective,
+        "prompt_tokens": shape.prompt_tokens,
+        "stages": [{"peers": [{"peer": share.peer, "share": share.fraction}
+                              for share in stage.shares],
+                    "units": list(stage.units)} for stage in shape.stages],
+        "predicted": {"first_token_s": p.first_token_s, "latency_s": p.latency_s,
+                      "throughput_tps": p.throughput_tps, "bottleneck_s": p.bottleneck_s},
     }

@@ -84,6 +84,14 @@ class Unit:
     weight_bytes: float
     kv_bytes_per_token: float
     outputs: tuple[Output, ...] = ()
+    prefill_flops: float | None = None  # per prompt token; None: as `flops`
+    # How many peers of a group can each take a share of the unit (a layer half: its KV-head
+    # groups or MLP column blocks); 0 or 1: it runs whole on one peer (planner.groups).
+    share_grains: int = 0
+
+    @property
+    def flops_per_prompt_token(self) -> float:
+        return self.flops if self.prefill_flops is None else self.prefill_flops
 
 
 @dataclass(frozen=True)

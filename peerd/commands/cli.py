@@ -226,8 +226,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster", required=True, metavar="FILE", help="cluster JSON (docs/planner.md)"
     )
     p.add_argument("--units", required=True, metavar="FILE", help="units JSON or a manifest.json")
-    p.add_argument("--objective", choices=["latency", "throughput"], default="throughput")
+    p.add_argument("--objective", choices=["latency", "throughput", "first-token"],
+                   default="throughput",
+                   help="latency: one decode token; throughput: tokens/s of many answers; "
+                        "first-token: time to the first token of a --prompt-tokens prompt "
+                        "(with --shapes only). Default: throughput")
     p.add_argument("--solver", choices=["milp", "dp", "even", "memory"], default="milp")
+    p.add_argument("--shapes", action="store_true",
+                   help="also weigh groups (peers sharing each layer, Galaxy's tensor and "
+                        "sequence parallelism) against pipelines, and print the best of each "
+                        "shape; units need share_grains (docs/planner.md)")
+    p.add_argument("--prompt-tokens", type=int, default=512, metavar="N",
+                   help="prompt length the first-token figures assume (default 512)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(handler="peerd.commands.plan_command:cmd_plan")
 

@@ -15,7 +15,8 @@ from peerd.errors import PeerdError
 from planner.constraints import size
 from planner.cost import capacity, memory_need, stage_compute_s
 from planner.errors import PlannerError
-from planner.io import cluster_from_dict, plan_to_dict, workload_from_dict
+from planner.groups import FIRST_TOKEN, Shape, ShapeKind, best_by_kind, fastest, stage_s
+from planner.io import cluster_from_dict, plan_to_dict, shape_to_dict, workload_from_dict
 from planner.model import Cluster, Plan, Workload
 from planner.solve import solve
 
@@ -82,6 +83,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         workload = workload_from_dict(_read_json(args.units, "units"))
     except PlannerError as exc:
         raise PeerdError(f"units file {args.units}: {exc}") from exc
+    if args.shapes:
+        return _print_shapes(args, cluster, workload)
+    if args.objective == FIRST_TOKEN:
+        raise PeerdError("--objective first-token weighs shapes: add --shapes")
     try:
         with quiet_solver():
             plan = solve(cluster, workload, args.objective, args.solver)
@@ -89,3 +94,38 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise PeerdError(str(exc)) from exc
     print(json.dumps(plan_to_dict(plan)) if args.json else render(plan, cluster, workload))
     return 0
+
+
+def _print_shapes(args: argparse.Namespace, cluster: Cluster, workload: Workload) -> int:
+    try:
+        kinds = best_by_kind(cluster, workload, args.objective, args.prompt_tokens)
+    except PlannerError as exc:
+        raise PeerdError(str(exc)) from exc
+    best = fastest(kinds.values())
+    if args.json:
+        print(json.dumps({"best": shape_to_dict(best),
+                          "by_kind": {kind.value: shape_to_dict(shape)
+                                      for kind, shape in kinds.items()}}))
+    else:
+        print(render_shapes(best, kinds, cluster, workload))
+    return 0
+
+
+def render_shapes(best: Shape, kinds: dict[ShapeKind, Shape], cluster: Cluster,
+                  workload: Workload) -> str:
+    """The best shape's stages (a group's peers with their shares), then each shape's
+    figures, for people."""
+    lines = [f"best shape for {best.objective}: {best.kind.value}",
+             f"{'stage':<6}{'peers (share)':<40}{'units':<10}{'decode':>12}"]
+    for i, stage in enumerate(best.stages):
+        peers = ", ".join(f"{share.peer} ({100 * share.fraction:.0f}%)" if len(stage.shares) > 1
+                          else share.peer for share in stage.shares)
+        decode = f"{1e3 * stage_s(cluster, workload, stage, 1):.2f} ms"
+        lines.append(f"{i:<6}{peers:<40}{_units(stage.units):<10}{decode:>12}")
+    lines.append(f"{'shape':<22}{'first token':>14}{'latency':>12}{'tokens/s':>10}"
+                 f"  (prompt {best.prompt_tokens} tokens)")
+    for kind, shape in sorted(kinds.items(), key=lambda item: list(ShapeKind).index(item[0])):
+        p = shape.predicted
+        lines.append(f"{kind.value:<22}{1e3 * p.first_token_s:>11.1f} ms"
+                     f"{1e3 * p.latency_s:>9.2f} ms{p.throughput_tps:>10.2f}")
+    return "\n".join(lines)

@@ -106,3 +106,43 @@ def test_a_real_manifest_plans_with_its_request_outputs_left_to_the_return_hop(t
     assert done.returncode == 0, done.stderr
     stages = json.loads(done.stdout)["stages"]
     assert [u for s in stages for u in s["units"]] == list(range(len(manifest.units)))
+
+
+def shareable_units(count: int = 12, grains: int = 4) -> dict:
+    data = units(count)
+    for unit in data["units"][1:-1]:
+        unit["share_grains"] = grains
+    return data
+
+
+def test_shapes_weigh_groups_against_pipelines(tmp_path):
+    done = plan(tmp_path, CLUSTER, shareable_units(), "--shapes", "--objective", "first-token",
+                "--prompt-tokens", "256", "--json")
+    assert done.returncode == 0, done.stderr
+    shapes = json.loads(done.stdout)
+    best = shapes["best"]
+    assert best["objective"] == "first-token" and best["prompt_tokens"] == 256
+    assert best["kind"] in shapes["by_kind"]
+    assert best["predicted"]["first_token_s"] == min(
+        shape["predicted"]["first_token_s"] for shape in shapes["by_kind"].values())
+    for stage in best["stages"]:
+        assert sum(peer["share"] for peer in stage["peers"]) == pytest.approx(1.0)
+    covered = [u for stage in best["stages"] for u in stage["units"]]
+    assert covered == list(range(12))
+
+
+def test_the_shapes_table_lists_a_groups_peers_with_their_shares(tmp_path):
+    fast = {**CLUSTER, "links": [{**link, "latency_s": 1e-6, "bandwidth_Bps": 1e10}
+                                 for link in CLUSTER["links"]]}
+    done = plan(tmp_path, fast, shareable_units(), "--shapes", "--objective", "first-token")
+    assert done.returncode == 0, done.stderr
+    first, *rest = done.stdout.splitlines()
+    assert first.startswith("best shape for first-token: group")
+    assert "%)" in rest[1]  # "desk (45%), laptop (...)": a group stage names its shares
+    assert any(line.startswith("pipeline ") for line in rest)
+
+
+def test_first_token_needs_shapes(tmp_path):
+    done = plan(tmp_path, CLUSTER, units(), "--objective", "first-token")
+    assert done.returncode == 1
+    assert done.stderr.strip() == "peerd: --objective first-token weighs shapes: add --shapes"

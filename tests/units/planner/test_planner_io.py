@@ -114,11 +114,16 @@ def test_the_same_ordered_link_twice_is_refused():
 
 
 def test_units_file_and_manifest_give_the_same_workload():
-    plain = workload_from_dict(UNITS)
+    with_prefill = copy.deepcopy(UNITS)
+    for unit in with_prefill["units"]:
+        unit["prefill_flops"] = 3 * unit["flops"]
+    plain = workload_from_dict(with_prefill)
     assert plain == workload_from_dict(manifest())
     assert plain.return_bytes == 8
     assert plain.units[0].outputs[1].consumers == (2,)
     assert plain.units[1].flops == 4e9  # the manifest's decode FLOPs, not prefill
+    assert plain.units[1].flops_per_prompt_token == 12e9
+    assert workload_from_dict(UNITS).units[1].flops_per_prompt_token == 4e9  # default: decode
 
 
 @pytest.mark.parametrize(("path", "value", "complaint"), [
