@@ -95,3 +95,19 @@ def exit_reference(model_dir: Path, layer: int, prompt: tuple[int, ...],
             hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[layer]
             ids.append(int(head(hidden[0, -1]).argmax()))
     return ids[len(prompt):]
+
+
+def expected_along(model_dir: Path, layer: int, prompt: tuple[int, ...], tokens: list[int],
+                   degraded: set[int]) -> list[int]:
+    """Token by token, what an answer of `tokens` should hold, each given the tokens before
+    it: the exit's argmax after `layer` layers at the indices in `degraded`, the full
+    model's elsewhere (transformers, float32, one forward over the whole answer)."""
+    model, head = _transformers_model(model_dir), exit_head(model_dir)
+    ids = torch.tensor([[*prompt, *tokens[:-1]]])
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+        rows = range(len(prompt) - 1, len(prompt) - 1 + len(tokens))
+        exits = head(out.hidden_states[layer][0, rows.start:rows.stop])
+        full = out.logits[0, rows.start:rows.stop]
+    return [int((exits if index in degraded else full)[index].argmax())
+            for index in range(len(tokens))]

@@ -13,7 +13,9 @@ leader's reason.
 Standalone (CE-CoLLM): where the head's stage has an early exit and the peer was started with
 `--standalone`, an answer whose plan went away keeps going meanwhile from the exit alone, each
 token marked degraded, and continues at full depth once a plan serves again, re-prefilling
-there (the deeper stages catch up with the degraded tokens' K/V).
+there (the deeper stages catch up with the degraded tokens' K/V). Nothing but its client
+paces such an answer: it computes each token only once its client has room for it
+(`ClientRoom`), so an answer whose client stops reading pauses rather than running on alone.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from peerd.inference.dataplane import (
@@ -41,6 +44,10 @@ from shards.executor import StageExecutor
 from shards.sampling import Sampler, SamplingParams
 
 log = logging.getLogger("peerd.inference.answers")
+
+# Awaited before each token an answer computes from the exit alone: returns once the answer's
+# client has room for one more token (peerd/inference/serving.py, AnswerEvents.room).
+ClientRoom = Callable[[], Awaitable[None]]
 
 
 class Busy(GenerationError):
@@ -96,6 +103,7 @@ class Answers:
         # answers moved to a new plan since this peer started: with their K/V, re-prefilled
         self._moved_with_kv = 0
         self._re_prefilled = 0
+        self._waiting_for_client = 0  # answers from the exit alone, paused for their client
 
     # -- the plan ----------------------------------------------------------------------------
     def use(self, plane: DataPlane | None, kv_tokens: int = 0, problem: str | None = None) -> None:
@@ -123,16 +131,19 @@ class Answers:
             self._room.notify_all()
 
     # -- answering ---------------------------------------------------------------------------
-    async def generate(self, request: Request, on_token: OnToken) -> Answered:
+    async def generate(self, request: Request, on_token: OnToken,
+                       room: ClientRoom | None = None) -> Answered:
         """Run one request to completion, calling `on_token` with each new token (which may
-        end it early)."""
+        end it early). Tokens from the exit alone (standalone) wait for `room` first; the
+        data plane's never do: they share their steps with other answers."""
         await self._admit(request)
         try:
-            return await self._generate(request, on_token)
+            return await self._generate(request, on_token, room)
         finally:
             await self._release(request)
 
-    async def _generate(self, request: Request, on_token: OnToken) -> Answered:
+    async def _generate(self, request: Request, on_token: OnToken,
+                        room: ClientRoom | None) -> Answered:
         generation = Generation(uuid.uuid4().hex, request.prompt, request.max_tokens,
                                 request.stop_ids, tokens=list(request.produced))
         resumed, kv_moved, left, plane = 0, 0, None, None
@@ -158,21 +169,27 @@ class Answers:
                 self._re_prefilled += 1
                 exit_stage = left.exit_executor
                 if self.standalone and exit_stage is not None:
-                    await self._alone(generation, request.params, on_token, exit_stage, left)
+                    await self._alone(generation, request.params, on_token, room, exit_stage,
+                                      left)
             resumed += 1
         return Answered(generation.tokens, [], resumed, kv_moved, degraded=generation.degraded)
 
     async def _alone(self, generation: Generation, params: SamplingParams, on_token: OnToken,
-                     stage: StageExecutor, left: DataPlane) -> None:
+                     room: ClientRoom | None, stage: StageExecutor, left: DataPlane) -> None:
         """Answer from the exit of the head's stage alone until a plane other than `left`
-        serves (or the answer ends): each token is degraded. The sequence re-prefills on
-        the stage once, and its K/V is dropped after."""
+        serves (or the answer ends): each token is degraded, computed once the client has
+        `room` for it. The sequence re-prefills on the stage once, and its K/V is dropped
+        after."""
         if not self._serving_again(left):
             log.warning("answer %s goes on from the exit alone: no plan serves",
                         generation.seq_id)
         sampler = Sampler(params, skip=len(generation.tokens))
         try:
-            while not generation.finished and not self._serving_again(left):
+            while not generation.finished:
+                if room is not None:
+                    await self._paused_for(room)
+                if self._serving_again(left):
+                    break
                 step = generation.next_step()
                 outputs = await asyncio.to_thread(stage.step, generation.seq_id, step.inputs)
                 logits = await asyncio.to_thread(stage.exit_logits, outputs[EXIT_HIDDEN])
@@ -184,6 +201,14 @@ class Answers:
         finally:
             stage.drop(generation.seq_id)
         generation.restart(uuid.uuid4().hex)
+
+    async def _paused_for(self, room: ClientRoom) -> None:
+        """Wait until the client has room for the next token (counted in status meanwhile)."""
+        self._waiting_for_client += 1
+        try:
+            await room()
+        finally:
+            self._waiting_for_client -= 1
 
     def _serving_again(self, left: DataPlane) -> bool:
         plane = self._now.plane
@@ -257,4 +282,5 @@ class Answers:
     def status(self) -> dict[str, int]:
         return {"running": self._running, "waiting": len(self._line),
                 "kv_reserved_tokens": self._reserved, "kv_reserve_tokens": self._now.kv_tokens,
-                "moved_with_kv": self._moved_with_kv, "re_prefilled": self._re_prefilled}
+                "moved_with_kv": self._moved_with_kv, "re_prefilled": self._re_prefilled,
+                "waiting_for_client": self._waiting_for_client}

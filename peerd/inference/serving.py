@@ -79,6 +79,10 @@ RELAY_TIMEOUT_S = 10.0
 # plan with their K/V (each at its next token boundary).
 HANDOVER_S = 10.0
 MAX_CHAT_TOKENS = 8192
+# Events of one answer that may wait for its client while the answer computes from the exit
+# alone: enough that a client reading along never waits for the exit's next step, few enough
+# that one that stops reading holds its answer within a few tokens of what it was sent.
+ANSWER_BUFFER = 16
 MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; the model refuses ids past its own
 MAX_SEED = 2**64 - 1  # the largest seed SequenceOpen carries (msgpack integers)
 MAX_STOPS = 4  # stop strings of one chat, as OpenAI allows
@@ -170,6 +174,39 @@ def _token_ids(value: Any) -> bool:
     )
 
 
+class AnswerEvents:
+    """One answer's events on their way to its client, first in first out.
+
+    The data plane's tokens go in without waiting: one slow client must not hold up the steps
+    its answer shares with others (its events wait here, at most max_tokens of them). An
+    answer from the exit alone (standalone) has nothing else to pace it, so it computes its
+    next token only once fewer than `bound` events wait (`room`): when its client stops
+    reading, the socket's buffers fill, the events stop being taken, and the answer pauses.
+    """
+
+    def __init__(self, bound: int = ANSWER_BUFFER) -> None:
+        self._events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self._bound = bound
+        self._taken = asyncio.Event()
+
+    def __len__(self) -> int:
+        return self._events.qsize()
+
+    def put(self, event: dict[str, Any] | None) -> None:
+        self._events.put_nowait(event)
+
+    async def get(self) -> dict[str, Any] | None:
+        event = await self._events.get()
+        self._taken.set()
+        return event
+
+    async def room(self) -> None:
+        """Return once fewer than `bound` events wait."""
+        while len(self) >= self._bound:
+            self._taken.clear()
+            await self._taken.wait()
+
+
 @dataclass(frozen=True)
 class Head:
     """What the head needs to answer: its answers and the model's tokenizer and limits."""
@@ -213,7 +250,7 @@ class ChatService:
         text, stops = TextStream(head.tokenizer), StopStrings(body.stops)
         for token in body.produced:  # handed out by an earlier head, as this one would have
             stops.add(text.add(token))
-        events: asyncio.Queue = asyncio.Queue()
+        events = AnswerEvents()
         token_times: list[float] = []
         started = time.perf_counter()
 
@@ -227,12 +264,12 @@ class ChatService:
                 event["degraded"] = True
             if new.logprobs is not None:
                 event["logprobs"] = _logprobs_entry(head.tokenizer, new.id, new.logprobs)
-            events.put_nowait(event)
+            events.put(event)
             return stops.stopped
 
         request = Request(prompt, body.params, max_tokens, head.stop_ids, body.produced)
-        generation = asyncio.create_task(head.answers.generate(request, on_token))
-        generation.add_done_callback(lambda _: events.put_nowait(None))
+        generation = asyncio.create_task(head.answers.generate(request, on_token, events.room))
+        generation.add_done_callback(lambda _: events.put(None))
         try:
             while (event := await events.get()) is not None:
                 await send(event)

@@ -5,15 +5,17 @@ holding the exit, checked against transformers."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
-import torch
 from ring import Peer, link, load, reachable, running_ring
-from sharding import _transformers_model, exit_head, exit_reference, reference, sharded
+from sharding import exit_reference, expected_along, reference, sharded
+from waiting import eventually
 
 from peerd.inference.answers import Request
 from peerd.inference.dataplane import Limits
 from peerd.inference.pipeline import NewToken
+from peerd.inference.serving import ANSWER_BUFFER, parse_chat
 from shards.early_exit import ExitSettings
 from shards.executor import StageExecutor
 from shards.sampling import SamplingParams
@@ -22,6 +24,8 @@ PROMPTS = [(1, 17, 42, 99, 7), (250, 3), (64, 8, 8, 30, 2, 11), (5,)]
 NEW_TOKENS = 16
 # units: embed, layer0.attn, layer0.mlp, layer1.attn, layer1.mlp, ..., head
 STAGES = [("a", 0, 4), ("b", 5, 7), ("c", 8, 9)]
+STANDALONE = ExitSettings(threshold=1.5, layer=2)  # no exit while the cluster serves
+HELD_AFTER = 3  # degraded tokens the client takes before it stops reading
 
 
 @pytest.fixture(scope="module")
@@ -71,19 +75,30 @@ async def test_speculative_answers_are_the_full_models(model, drafts):
         assert answer.exits is not None and answer.exits["checks"] < NEW_TOKENS
 
 
-def _expected_along(model_dir, prompt, tokens, degraded: set[int]) -> list[int]:
-    """Token by token, what the answer should hold: the exit's argmax (after layer 2) where
-    it was degraded, the full model's elsewhere, each given the tokens before it."""
-    model = _transformers_model(model_dir)
-    head = exit_head(model_dir)
-    ids, expected = list(prompt), []
-    with torch.no_grad():
-        for index in range(len(tokens)):
-            out = model(torch.tensor([ids]), output_hidden_states=True)
-            row = head(out.hidden_states[2][0, -1]) if index in degraded else out.logits[0, -1]
-            expected.append(int(row.argmax()))
-            ids.append(tokens[index])
-    return expected
+async def _vanishing(peers: list[Peer], manifest, directory, limits: Limits,
+                     exits: ExitSettings):
+    """(vanish, back): `vanish()` takes the peers behind the head away as the daemon hears
+    it (the leader's plan without stages, then the plane closes); `back` is the head's plane
+    of plan 1.2, whose new peers b2 and c2 hold those stages, ready before the answer starts:
+    the test, not the clock, decides when the answer sees them."""
+    head, behind = peers[0], peers[1:]
+
+    async def vanish() -> None:
+        for peer in behind:
+            await peer.transport.close()
+        head.answers.use(None, problem="the model does not fit the peers left")
+        await head.retire("1.1")
+
+    stages = [("a", 0, 4), ("b2", 5, 7), ("c2", 8, 9)]
+    new = [Peer(peer_id, limits) for peer_id, _, _ in stages[1:]]
+    peers.extend(new)  # closed with the others
+    link([head, *new])
+    for peer, (_, first, last) in zip(new, stages[1:], strict=True):
+        load(peer, manifest, directory, first, last)
+        peer.add_plane("1.2", manifest, stages)
+    back = head.add_plane("1.2", manifest, stages, exits=exits)
+    await reachable([head, *new])
+    return vanish, back
 
 
 async def test_standalone_answers_from_the_exit_while_the_later_peers_are_gone(model):
@@ -91,35 +106,14 @@ async def test_standalone_answers_from_the_exit_while_the_later_peers_are_gone(m
     from the exit, each token marked degraded; two peers take their stages in a new plan:
     the answer continues at full depth, re-prefilled there."""
     result = sharded(model)
-    manifest, directory = result.manifest, result.directory
-    exits = ExitSettings(threshold=1.5, layer=2)  # no exit while the cluster serves
     limits = Limits(send_timeout_s=5.0)
-    async with running_ring(manifest, directory, limits, stages=STAGES, exits=exits,
-                            standalone=True) as peers:
+    async with running_ring(result.manifest, result.directory, limits, stages=STAGES,
+                            exits=STANDALONE, standalone=True) as peers:
         head = peers[0]
+        vanish, back = await _vanishing(peers, result.manifest, result.directory, limits,
+                                        STANDALONE)
         streamed: list[NewToken] = []
         chores: list[asyncio.Task] = []
-
-        behind = peers[1:]
-
-        async def vanish() -> None:
-            for peer in behind:
-                await peer.transport.close()
-            # as the daemon hears it: the leader's plan without stages, then the plane closes
-            head.answers.use(None, problem="the model does not fit the peers left")
-            await head.retire("1.1")
-
-        # the peers that come back, ready before the answer starts: the test, not the
-        # clock, decides when the answer sees them
-        stages = [("a", 0, 4), ("b2", 5, 7), ("c2", 8, 9)]
-        new = [Peer(peer_id, limits) for peer_id, _, _ in stages[1:]]
-        peers.extend(new)  # closed with the others
-        link([head, *new])
-        for peer, (_, first, last) in zip(new, stages[1:], strict=True):
-            load(peer, manifest, directory, first, last)
-            peer.add_plane("1.2", manifest, stages)
-        back = head.add_plane("1.2", manifest, stages, exits=exits)
-        await reachable([head, *new])
 
         def on_token(new: NewToken) -> None:
             streamed.append(new)
@@ -138,7 +132,53 @@ async def test_standalone_answers_from_the_exit_while_the_later_peers_are_gone(m
     assert shown.startswith("....") and shown.endswith("."), shown
     assert answer.degraded == sum(flags) >= 6
     degraded = {i for i, flag in enumerate(flags) if flag}
-    assert answer.tokens == _expected_along(model, request.prompt, answer.tokens, degraded)
+    assert answer.tokens == expected_along(model, 2, tuple(request.prompt), answer.tokens,
+                                           degraded)
+
+
+async def test_a_standalone_answer_pauses_while_its_client_stops_reading(model):
+    """Flow control: an answer from the exit alone computes a token only once its client
+    has room for it. The client takes HELD_AFTER degraded tokens and stops: the answer
+    pauses with ANSWER_BUFFER events waiting for it (the head's status counts it), and a
+    plan serves again meanwhile. Once the client reads on, the events that waited are
+    degraded and every token after them is the full model's: none was computed while it
+    held."""
+    result = sharded(model)
+    limits = Limits(send_timeout_s=5.0)
+    async with running_ring(result.manifest, result.directory, limits, max_positions=256,
+                            stages=STAGES, exits=STANDALONE, standalone=True) as peers:
+        head = peers[0]
+        vanish, back = await _vanishing(peers, result.manifest, result.directory, limits,
+                                        STANDALONE)
+        sent: list[dict] = []
+        chores: list[asyncio.Task] = []
+        reading = asyncio.Event()
+
+        async def client(event: dict) -> None:
+            sent.append(event)
+            if len(sent) == 4:
+                chores.append(asyncio.create_task(vanish()))
+            if sum(e.get("degraded", False) for e in sent) == HELD_AFTER:
+                await reading.wait()  # the client stops reading
+
+        prompt = (1, 17, 42, 99, 7)
+        body = parse_chat({"prompt_ids": list(prompt), "max_tokens": 100})
+        answering = asyncio.create_task(head.chat.answer(body, client))
+        await eventually(lambda: head.answers.status()["waiting_for_client"] == 1,
+                         "the answer to pause for its client", 60)
+        head.answers.use(back)
+        reading.set()
+        await asyncio.wait_for(answering, 60)
+        await asyncio.gather(*chores)
+    *events, done = sent
+    tokens = [event["token"] for event in events]
+    shown = "".join("D" if event.get("degraded") else "." for event in events)
+    held = HELD_AFTER + ANSWER_BUFFER
+    assert re.fullmatch(rf"\.{{4,}}D{{{held}}}\.+", shown), shown
+    assert done["degraded"] is True and done["stats"]["degraded_tokens"] == held
+    assert done["token_ids"] == tokens and len(tokens) == 100
+    degraded = {i for i, flag in enumerate(shown) if flag == "D"}
+    assert tokens == expected_along(model, 2, prompt, tokens, degraded)
 
 
 @pytest.mark.parametrize("stages_retire", ["after the answer", "at once"])
