@@ -245,7 +245,8 @@ async def test_an_answer_waits_for_k_v_room_and_one_too_long_is_refused(ring):
     first.cancel()
     assert len((await asyncio.wait_for(second, 20)).tokens) == 200
     assert head.status() == {"running": 0, "waiting": 0, "kv_reserved_tokens": 0,
-                             "kv_reserve_tokens": 1000, "moved_with_kv": 0, "re_prefilled": 0}
+                             "kv_reserve_tokens": 1000, "moved_with_kv": 0, "re_prefilled": 0,
+                             "waiting_for_client": 0}
 
 
 async def test_answers_without_a_next_plan_end_with_the_leaders_reason(ring):
