@@ -81,7 +81,7 @@ HANDOVER_S = 10.0
 MAX_CHAT_TOKENS = 8192
 # Events of one answer that may wait for its client while the answer computes from the exit
 # alone: enough that a client reading along never waits for the exit's next step, few enough
-# that one that stops reading holds its answer within a few tokens of what it was sent.
+# that an answer whose client stops reading runs only that far past what the socket buffers.
 ANSWER_BUFFER = 16
 MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; the model refuses ids past its own
 MAX_SEED = 2**64 - 1  # the largest seed SequenceOpen carries (msgpack integers)
