@@ -186,7 +186,7 @@ class _Exporter:
         for case, args in inputs.items():
             outputs, flops[case] = run_counting_flops(module, args)
             runs[case] = (args, outputs)
-        staged = _to_onnx(module, unit, runs, scratch)
+        staged = to_onnx(module, unit.input_names, unit.output_names, runs, scratch)
         if self.reuse_graphs:
             others = {case: out for case, (_, out) in runs.items() if case != examples.EXPORT}
             self.known.setdefault(key, _Known(learn(staged, unit, module), others, flops))
@@ -296,22 +296,25 @@ def _release(model: torch.nn.Module, targets: list[str], exported: bool) -> None
 
 
 # -- ONNX -------------------------------------------------------------------------------------
-def _to_onnx(module: torch.nn.Module, unit: UnitGraph, runs: dict, directory: Path) -> Path:
-    """Export the unit into `directory`, weights as external data; return the model's path."""
+def to_onnx(module: torch.nn.Module, input_names: list[str], output_names: list[str],
+            runs: dict, directory: Path) -> Path:
+    """Export `module` into `directory`, weights as external data; return the model's path.
+    `runs` holds (args, outputs) of at least the EXPORT and MORE_* cases of shards.examples,
+    whose differences in shape tell the dynamic axes."""
     axes = [
         examples.dynamic_axes({case: runs[case][0][i].shape for case in runs})
-        for i in range(len(unit.input_names))
+        for i in range(len(input_names))
     ]
     dims = {"T": Dim("T", min=1), "P": Dim("P", min=0), "B": Dim("B", min=1)}
-    names = tuple(_axis_names(a, name) for a, name in zip(axes, unit.input_names, strict=True))
+    names = tuple(_axis_names(a, name) for a, name in zip(axes, input_names, strict=True))
     args, _ = runs[examples.EXPORT]
     with _quiet():
         program = _onnx_core.export(
             module,
             tuple(args),
             registry=_registry(),
-            input_names=unit.input_names,
-            output_names=unit.output_names,
+            input_names=input_names,
+            output_names=output_names,
             dynamic_shapes=tuple({a: dims[d] for a, d in spec.items()} for spec in names),
             optimize=True,
             verbose=False,
@@ -385,7 +388,7 @@ def _problem(path: Path, unit: Unit, args: tuple, expected: tuple, exact: bool,
                 f"{list(outputs)}, the manifest says {list(unit.graph_inputs)} and "
                 f"{list(unit.graph_outputs)}")
     try:
-        return _disagreement(session, inputs, outputs, args, expected, exact)
+        return disagreement(session, inputs, outputs, args, expected, exact)
     except Exception as exc:  # ONNX Runtime raises its own exception types
         return f"written file {path.name} does not run in ONNX Runtime: {_one_line(exc)}"
 
@@ -394,7 +397,7 @@ def _one_line(exc: Exception) -> str:
     return " ".join(str(exc).split())
 
 
-def _disagreement(session: ort.InferenceSession, inputs, outputs, args: tuple,
+def disagreement(session: ort.InferenceSession, inputs, outputs, args: tuple,
                   expected: tuple, exact: bool) -> str | None:
     """How the session's outputs on `args` differ from torch's `expected`, if they do."""
     feeds = {name: a.numpy() for name, a in zip(inputs, args, strict=True)}

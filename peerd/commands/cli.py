@@ -210,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     _add_quant(p, "weights of the units")
     p.add_argument("--fp16-wire", action="store_true", help="float16 activations between stages")
+    p.add_argument("--tensor-parallel", type=int, metavar="N",
+                   help="run every stage as N tensor-parallel shares in this process, every "
+                   "exchange through the wire codec (float32; not with --early-exit, "
+                   "--speculative or --quant)")
     _add_early_exit(p, "the first stage")
     p.add_argument("--json", action="store_true", help="print one JSON object when done")
     p.set_defaults(handler="peerd.commands.generate:cmd_generate")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,13 +22,16 @@ from peerd.errors import PeerdError
 from peerd.inference.local_pipeline import LocalPipeline
 from peerd.inference.pipeline import Generation, StageWorker
 from peerd.inference.routing import routes
+from peerd.inference.shares import ShareStage
 from shards.cache import ShardOptions
 from shards.cli import shard_or_reuse
 from shards.early_exit import ExitSettings, stage_exit
 from shards.errors import ModelError, NoTokenizer
 from shards.executor import ExecutorOptions, StageExecutor
-from shards.manifest import Manifest
+from shards.manifest import Manifest, Quant
 from shards.sampling import SamplingParams
+from shards.share_split import ShareError
+from shards.share_units import ShareUnits, shares_for
 from shards.text_stream import TextStream
 from shards.tokenizer import Tokenizer
 
@@ -42,22 +47,69 @@ def cmd_generate(args: argparse.Namespace) -> int:
     exits = exit_settings(args)
     if exits.speculative and not params.greedy:
         raise PeerdError("--speculative checks drafts greedily: use it with --temperature 0")
+    _check_tensor_parallel(args, exits)
     prompt = _prompt_ids(args, model_dir)
     shards = shard_or_reuse(model_dir, None, ShardOptions(quant=args.quant))
     manifest = shards.manifest
-    pipeline = build_pipeline(manifest, shards.directory, args.parts, args.fp16_wire,
-                              GENERATE_OPTIONS, exits)
-    run = generate(pipeline, manifest, prompt, args.max_tokens, params)
+    with tempfile.TemporaryDirectory(prefix="peerd-shares-") as scratch:
+        shares = None if args.tensor_parallel is None else _share_units(
+            model_dir, manifest, args.tensor_parallel, Path(scratch))
+        pipeline = build_pipeline(manifest, shards.directory, args.parts, args.fp16_wire,
+                                  GENERATE_OPTIONS, exits, shares)
+        run = generate(pipeline, manifest, prompt, args.max_tokens, params)
     text = _decode(model_dir, run.token_ids)
     stats = {**run.stats, "parts": args.parts, "units": len(manifest.units),
              "quant": manifest.options.quant.value,
              "stages": [[w.executor.first, w.executor.last] for w in pipeline.workers],
              "shard_seconds": round(shards.seconds, 3), "sharded_now": shards.exported}
+    if shares is not None:
+        stats |= share_stats(pipeline, shares)
     if args.json:
         print(json.dumps({"token_ids": run.token_ids, "text": text, "stats": stats}))
     else:
         print(text if text else " ".join(map(str, run.token_ids)))
+        if shares is not None:
+            print(_shares_line(shares), file=sys.stderr)
     return 0
+
+
+def _check_tensor_parallel(args: argparse.Namespace, exits: ExitSettings) -> None:
+    """--tensor-parallel N, and the flags it does not run with yet."""
+    count = args.tensor_parallel
+    if count is None:
+        return
+    if count < 1:
+        raise PeerdError(f"--tensor-parallel must be at least 1, not {count}")
+    if exits.enabled:
+        raise PeerdError("--tensor-parallel does not run with --early-exit or --speculative yet")
+    if args.quant is not Quant.NONE:
+        raise PeerdError("--tensor-parallel exports float32 share units: drop --quant")
+
+
+def _share_units(model_dir: Path, manifest: Manifest, count: int, directory: Path) -> ShareUnits:
+    try:
+        return shares_for(model_dir, manifest, [1.0] * count, directory)
+    except ShareError as exc:
+        raise PeerdError(f"--tensor-parallel {count}: {exc}") from None
+
+
+def share_stats(pipeline: LocalPipeline, shares: ShareUnits) -> dict:
+    """The shares of every layer and the bytes they exchanged, for --json."""
+    return {
+        "tensor_parallel": len(shares.shares),
+        "shares": [{"share": s.index, "weight": w, "kv_heads": [s.kv_heads.start, s.kv_heads.stop],
+                    "heads": [s.heads.start, s.heads.stop],
+                    "mlp_columns": [s.columns.start, s.columns.stop]}
+                   for s, w in zip(shares.shares, shares.weights, strict=True)],
+        "share_wire_bytes": sum(w.executor.wire_bytes for w in pipeline.workers),
+    }
+
+
+def _shares_line(shares: ShareUnits) -> str:
+    return f"{len(shares.shares)} tensor-parallel shares per stage: " + "; ".join(
+        f"share {s.index}: heads {s.heads.start}-{s.heads.stop - 1} "
+        f"(KV heads {s.kv_heads.start}-{s.kv_heads.stop - 1}), "
+        f"MLP columns {s.columns.start}-{s.columns.stop - 1}" for s in shares.shares)
 
 
 def split_units(unit_count: int, parts: int) -> list[tuple[int, int]]:
@@ -79,7 +131,10 @@ def exit_settings(args: argparse.Namespace) -> ExitSettings:
 def build_pipeline(
     manifest: Manifest, directory: Path, parts: int, fp16_wire: bool = False,
     options: ExecutorOptions | None = None, exits: ExitSettings | None = None,
+    shares: ShareUnits | None = None,
 ) -> LocalPipeline:
+    """The K stages of the manifest's units, each a StageExecutor, or with `shares`, each
+    run as those tensor-parallel shares (ShareStage)."""
     exits = exits or ExitSettings()
     ranges = split_units(len(manifest.units), parts)
     point = None
@@ -88,15 +143,17 @@ def build_pipeline(
             point = stage_exit(manifest, ranges[0][1], exits.layer)
         except ValueError as exc:
             raise PeerdError(f"{exc}; give a smaller --exit-layer or fewer --parts") from None
-    workers = [
+    stage_routes = routes(manifest, ranges)
+    if shares is not None:
+        return LocalPipeline([
+            StageWorker(stage, ShareStage(manifest, directory, a, b, shares, options),
+                        stage_routes[stage], fp16_wire)
+            for stage, (a, b) in enumerate(ranges)])
+    return LocalPipeline([
         StageWorker(stage, StageExecutor(manifest, directory, a, b, options,
                                          exit=point if stage == 0 else None),
-                    stage_routes, fp16_wire)
-        for stage, ((a, b), stage_routes) in enumerate(
-            zip(ranges, routes(manifest, ranges), strict=True)
-        )
-    ]
-    return LocalPipeline(workers, exits)
+                    stage_routes[stage], fp16_wire)
+        for stage, (a, b) in enumerate(ranges)], exits)
 
 
 @dataclass

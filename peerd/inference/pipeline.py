@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from peerd.inference.routing import Route, StageRoutes
 from peerd.wire.protocol import StageData
 from shards import heap
 from shards.early_exit import EXIT_HIDDEN, ExitSettings, confidence
-from shards.executor import StageExecutor
+from shards.executor import Outcome, StageExecutor
 from shards.sampling import Ranked, Sampler, SamplingParams, token_logprobs
 
 Tensors = dict[str, np.ndarray]
@@ -74,6 +74,29 @@ class Step:
 W = TypeVar("W")
 
 
+class StageRunner(Protocol):
+    """What a StageWorker needs of what runs its units: a StageExecutor, or a stage run as
+    tensor-parallel shares (peerd.inference.shares.ShareStage)."""
+
+    @property
+    def inputs(self) -> Iterable[str]: ...
+
+    @property
+    def holds_state(self) -> bool: ...
+
+    def step_many(self, steps: Sequence[tuple[str, Tensors]],
+                  unit_s: dict[int, float] | None = None) -> list[Outcome]: ...
+
+    def length(self, seq_id: str) -> int: ...
+
+    def truncate(self, seq_id: str, length: int) -> None: ...
+
+    def drop(self, seq_id: str) -> None: ...
+
+
+Runner = TypeVar("Runner", bound=StageRunner)
+
+
 @dataclass
 class StepDone:
     stage: int
@@ -89,11 +112,11 @@ class StepDone:
     rows: int = 1  # positions whose tokens the last stage gives
 
 
-class StageWorker:
+class StageWorker(Generic[Runner]):
     def __init__(
         self,
         stage: int,
-        executor: StageExecutor,
+        executor: Runner,
         routes: StageRoutes,
         fp16_wire: bool = False,
         plan: str = "local",

@@ -19,6 +19,7 @@ docs/protocol.md describes every message.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 import types
@@ -31,7 +32,7 @@ import numpy as np
 
 from peerd.wire.states import OFFERED_MODEL_STATES, REPORTED_DEPLOY_STATES, ModelState
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 MAX_HEADER_BYTES = 1024 * 1024
 MAX_TENSORS = 4096
@@ -160,6 +161,45 @@ class StageData:
         _require(self.step >= 0, "stage: negative step")
         _require(self.past is None or self.past >= 0, "stage: negative past")
         _require(1 <= self.rows <= MAX_ROWS, f"stage: rows outside 1..{MAX_ROWS}")
+
+
+class SharePhase(enum.StrEnum):
+    """Which exchange of a tensor-parallel group a ``ShareData`` belongs to."""
+
+    GATHER = "gather"  # the sender's normed rows, before an attention or MLP block
+    REDUCE = "reduce"  # the sender's partial block output at the receiver's rows
+    OUTPUT = "output"  # the sender's rows of the stage's output, to the share answering it
+
+
+@message("share", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class ShareData:
+    """One tensor a share of a tensor-parallel group sends another (docs/architecture.md,
+    "Tensor-parallel shares"), for step ``step`` of ``seq_id`` under ``plan``: for manifest
+    unit ``unit`` in ``phase``, from share ``share``. ``tensors`` holds one tensor, "rows",
+    [batch, row_stop - row_start, width]: rows row_start..row_stop-1 of the step."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    plan: str
+    seq_id: str
+    step: int
+    unit: int
+    phase: str
+    share: int
+    row_start: int
+    row_stop: int
+    tensors: Tensors
+
+    def __post_init__(self):
+        _require(self.phase in tuple(SharePhase), f"share: unknown phase {self.phase!r}")
+        _require(self.step >= 0 and self.unit >= 0 and self.share >= 0,
+                 "share: negative step, unit or share")
+        _require(0 <= self.row_start <= self.row_stop, "share: bad row range")
+        rows = _sole_tensor(self.tensors, "rows", "share")
+        count = self.row_stop - self.row_start
+        _require(rows.ndim == 3 and rows.shape[1] == count,
+                 f"share: tensor rows of shape {list(rows.shape)} is not [batch, {count}, width]")
 
 
 @message("seq-open", channel=DATA)

@@ -49,9 +49,10 @@ class BloomAttention(nn.Module):
         super().__init__()
         hidden = config.hidden_size
         self.heads, self.head_dim = config.num_heads, config.head_dim
+        width = self.heads * self.head_dim  # hidden, but for a share of the heads
         self.norm = nn.LayerNorm(hidden, eps=config.norm_eps)
-        self.query_key_value = nn.Linear(hidden, 3 * hidden)
-        self.dense = nn.Linear(hidden, hidden)
+        self.query_key_value = nn.Linear(hidden, 3 * width)
+        self.dense = nn.Linear(width, hidden)
         self.register_buffer("slopes", alibi_slopes(config.num_heads), persistent=False)
         self.residual_post_norm = config.residual_post_norm
         self.scale = 1.0 / math.sqrt(self.head_dim)
@@ -59,6 +60,11 @@ class BloomAttention(nn.Module):
     def forward(self, hidden, mask, past_k, past_v):
         x = self.norm(hidden)
         residual = x if self.residual_post_norm else hidden
+        out, key, value = self.branch(x, mask, past_k, past_v)
+        return residual + out, key, value
+
+    def branch(self, x, mask, past_k, past_v):
+        """What attention adds to the residual stream, from the normed hidden state `x`."""
         # Hugging Face lays the fused projection out as [heads, (q, k, v), head_dim].
         fused = self.query_key_value(x).unflatten(-1, (self.heads, 3, self.head_dim))
         query, key, value = (fused[..., i, :].transpose(1, 2) for i in range(3))
@@ -68,7 +74,7 @@ class BloomAttention(nn.Module):
         alibi = self.slopes[None, :, None, None] * keys.float()  # [B, heads, 1, P+T]
         bias = alibi + causal_bias(mask, keys)
         out = attend(query, key, value, bias, self.scale)
-        return residual + self.dense(out), key, value
+        return self.dense(out), key, value
 
 
 class BloomMLP(nn.Module):
@@ -84,7 +90,11 @@ class BloomMLP(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = self.norm(hidden)
         residual = x if self.residual_post_norm else hidden
-        return residual + self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
+        return residual + self.branch(x)
+
+    def branch(self, x: torch.Tensor) -> torch.Tensor:
+        """What the MLP adds to the residual stream, from the normed hidden state `x`."""
+        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
 
 
 class BloomModel(CausalLM):

@@ -48,21 +48,27 @@ class GPT2Attention(nn.Module):
         super().__init__()
         hidden = config.hidden_size
         self.heads, self.head_dim = config.num_heads, config.head_dim
+        width = self.heads * self.head_dim  # hidden, but for a share of the heads
         self.norm = nn.LayerNorm(hidden, eps=config.norm_eps)
-        self.c_attn = Conv1D(hidden, 3 * hidden)
-        self.c_proj = Conv1D(hidden, hidden)
+        self.c_attn = Conv1D(hidden, 3 * width)
+        self.c_proj = Conv1D(width, hidden)
         self.scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
         if config.scale_attn_by_layer:
             self.scale /= float(layer + 1)
 
     def forward(self, hidden, mask, past_k, past_v):
-        query, key, value = self.c_attn(self.norm(hidden)).chunk(3, dim=2)
+        out, key, value = self.branch(self.norm(hidden), mask, past_k, past_v)
+        return hidden + out, key, value
+
+    def branch(self, x, mask, past_k, past_v):
+        """What attention adds to the residual stream, from the normed hidden state `x`."""
+        query, key, value = self.c_attn(x).chunk(3, dim=2)
         query = split_heads(query, self.heads, self.head_dim)
         key = torch.cat((past_k, split_heads(key, self.heads, self.head_dim)), dim=2)
         value = torch.cat((past_v, split_heads(value, self.heads, self.head_dim)), dim=2)
         bias = causal_bias(mask, key_positions(mask, past_k.shape[2], key.shape[2]))
         out = attend(query, key, value, bias, self.scale)
-        return hidden + self.c_proj(out), key, value
+        return self.c_proj(out), key, value
 
 
 class GPT2MLP(nn.Module):
@@ -74,7 +80,11 @@ class GPT2MLP(nn.Module):
         self.act = activation(config.activation)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden + self.c_proj(self.act(self.c_fc(self.norm(hidden))))
+        return hidden + self.branch(self.norm(hidden))
+
+    def branch(self, x: torch.Tensor) -> torch.Tensor:
+        """What the MLP adds to the residual stream, from the normed hidden state `x`."""
+        return self.c_proj(self.act(self.c_fc(x)))
 
 
 class GPT2Model(CausalLM):

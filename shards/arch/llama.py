@@ -47,7 +47,11 @@ class LlamaAttention(nn.Module):
         self.scale = dim**-0.5
 
     def forward(self, hidden, cos, sin, mask, past_k, past_v):
-        x = self.norm(hidden)
+        out, key, value = self.branch(self.norm(hidden), cos, sin, mask, past_k, past_v)
+        return hidden + out, key, value
+
+    def branch(self, x, cos, sin, mask, past_k, past_v):
+        """What attention adds to the residual stream, from the normed hidden state `x`."""
         query = rotate(split_heads(self.q_proj(x), self.heads, self.head_dim), cos, sin)
         key = rotate(split_heads(self.k_proj(x), self.kv_heads, self.head_dim), cos, sin)
         value = split_heads(self.v_proj(x), self.kv_heads, self.head_dim)
@@ -56,7 +60,7 @@ class LlamaAttention(nn.Module):
         keys = key_positions(mask, past_k.shape[2], key.shape[2])
         bias = causal_bias(mask, keys, self.window)
         out = attend(query, key, value, bias, self.scale, self.heads // self.kv_heads)
-        return hidden + self.o_proj(out), key, value
+        return self.o_proj(out), key, value
 
 
 class LlamaMLP(nn.Module):
@@ -72,8 +76,11 @@ class LlamaMLP(nn.Module):
         self.act = activation(config.activation)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        x = self.norm(hidden)
-        return hidden + self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return hidden + self.branch(self.norm(hidden))
+
+    def branch(self, x: torch.Tensor) -> torch.Tensor:
+        """What the MLP adds to the residual stream, from the normed hidden state `x`."""
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaModel(CausalLM):
