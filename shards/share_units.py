@@ -16,10 +16,7 @@ GPT-2's Conv1D stores [in, out] with the fused c_attn as [q | k | v] columns; BL
 query_key_value is laid out [heads, (q, k, v), head_dim] and each head has its own ALiBi
 slope, so a share takes its heads' rows and slopes.
 
-The connective blocks (pre-norms, residual adds) are kept as numpy `Norm`s: they act on each
-row alone, so the share runner computes them on its rows; float32 numpy computes the same
-formula as the torch module (RMSNorm's x / sqrt(mean(x^2) + eps), LayerNorm's biased
-variance), equal to within float32 rounding of the sums (~1e-7 relative).
+The pre-norms are kept as numpy `shards.share_layout.Norm`s, for the runner.
 
 `export_shares` writes every (layer, half, share) unit with torch.onnx (shards.export's
 exporter) and checks it in ONNX Runtime against the torch share module, as export checks
@@ -49,63 +46,24 @@ from shards.arch.llama import LlamaAttention, LlamaMLP
 from shards.checkpoint import load_model
 from shards.config import ModelConfig, load_config
 from shards.export import disagreement, to_onnx
-from shards.manifest import Manifest, Unit
+from shards.manifest import Manifest
 from shards.onnx_file import write_unit
+from shards.share_layout import (
+    ATTN,
+    MLP,
+    NORMED,
+    PARTIAL,
+    PAST,
+    PRESENT,
+    Norm,
+    ShareUnit,
+    ShareUnits,
+    step_inputs,
+)
 from shards.share_split import LayerShape, Share, ShareError, Span, split_layer
 
-ATTN, MLP = "attn", "mlp"
-HIDDEN = ".hidden"  # shards.segment names a unit's sequential output "<unit>.hidden"
-NORMED, PARTIAL = "normed", "partial"
-PAST, PRESENT = ("past_k", "past_v"), ("present_k", "present_v")
 _AXES_CASES = (examples.EXPORT, examples.MORE_TOKENS, examples.MORE_PAST,
                examples.MORE_SEQUENCES)
-
-
-@dataclass(frozen=True)
-class Norm:
-    """A pre-norm, for numpy: LayerNorm with a bias, RMSNorm without."""
-
-    weight: np.ndarray
-    bias: np.ndarray | None
-    eps: float
-
-    @classmethod
-    def of(cls, norm: nn.Module, eps: float) -> Norm:
-        params = {name: _array(p) for name, p in norm.named_parameters()}
-        return cls(params["weight"], params.get("bias"), eps)
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        if self.bias is None:
-            return self.weight * (x / np.sqrt(np.mean(x * x, -1, keepdims=True) + self.eps))
-        centred = x - x.mean(-1, keepdims=True)
-        variance = np.mean(centred * centred, -1, keepdims=True)
-        return centred / np.sqrt(variance + self.eps) * self.weight + self.bias
-
-
-@dataclass(frozen=True)
-class ShareUnit:
-    """One exported share unit: `path` takes `inputs` and gives `outputs` (ONNX names)."""
-
-    layer: int
-    half: str  # ATTN or MLP
-    share: int
-    path: Path
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class ShareUnits:
-    """Every layer's share units, its pre-norms, and how the residual branch starts."""
-
-    shares: tuple[Share, ...]
-    weights: tuple[float, ...]
-    units: dict[tuple[int, str, int], ShareUnit]  # by (layer, half, share)
-    norms: dict[tuple[int, str], Norm]  # by (layer, half)
-    residual_post_norm: bool  # BLOOM: the residual is the normed hidden state
-
-    def unit(self, layer: int, half: str, share: int) -> ShareUnit:
-        return self.units[(layer, half, share)]
 
 
 class AttentionShare(nn.Module):
@@ -176,6 +134,11 @@ def _loaded(module: nn.Module, params: dict[str, torch.Tensor]) -> nn.Module:
     module.norm = nn.Identity()  # the runner norms the rows itself
     module.load_state_dict({k: v.clone() for k, v in params.items()}, strict=True, assign=True)
     return module.requires_grad_(False).eval()
+
+
+def _norm(norm: nn.Module, eps: float) -> Norm:
+    params = {name: _array(p) for name, p in norm.named_parameters()}
+    return Norm(params["weight"], params.get("bias"), eps)
 
 
 def _array(tensor: torch.Tensor) -> np.ndarray:
@@ -262,12 +225,6 @@ _FAMILIES = {
 }
 
 
-def step_inputs(unit: Unit) -> list[str]:
-    """The per-step tensors an attention unit of the manifest reads (all its inputs but the
-    hidden state), in its order."""
-    return [i.name for i in unit.inputs if not i.name.endswith(HIDDEN)]
-
-
 def shares_for(model: str | Path, manifest: Manifest, weights: Sequence[float],
                directory: Path) -> ShareUnits:
     """The share units of the model at `model` (sharded as `manifest`) for `weights`,
@@ -291,8 +248,8 @@ def export_shares(model: CausalLM, weights: Sequence[float], step_names: Sequenc
     norms: dict[tuple[int, str], Norm] = {}
     for layer in range(config.num_layers):
         blocks = _layer(model, layer)
-        norms[(layer, ATTN)] = Norm.of(blocks.attn.get_submodule("norm"), config.norm_eps)
-        norms[(layer, MLP)] = Norm.of(blocks.mlp.get_submodule("norm"), config.norm_eps)
+        norms[(layer, ATTN)] = _norm(blocks.attn.get_submodule("norm"), config.norm_eps)
+        norms[(layer, MLP)] = _norm(blocks.mlp.get_submodule("norm"), config.norm_eps)
         for share in shares:
             attn, mlp = share_modules(model, layer, share)
             kv_heads = share.kv_heads.size

@@ -111,3 +111,12 @@ def expected_along(model_dir: Path, layer: int, prompt: tuple[int, ...], tokens:
         full = out.logits[0, rows.start:rows.stop]
     return [int((exits if index in degraded else full)[index].argmax())
             for index in range(len(tokens))]
+
+
+@cache
+def share_units(model_dir: Path, weights: tuple[float, ...]):
+    """The model's tensor-parallel share units for `weights`, exported once per session."""
+    from shards.share_units import shares_for
+
+    directory = Path(tempfile.mkdtemp(prefix="shares-", dir=state_dir()))
+    return shares_for(model_dir, sharded(model_dir).manifest, weights, directory)

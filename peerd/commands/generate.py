@@ -30,8 +30,8 @@ from shards.errors import ModelError, NoTokenizer
 from shards.executor import ExecutorOptions, StageExecutor
 from shards.manifest import Manifest, Quant
 from shards.sampling import SamplingParams
+from shards.share_layout import ShareUnits
 from shards.share_split import ShareError
-from shards.share_units import ShareUnits, shares_for
 from shards.text_stream import TextStream
 from shards.tokenizer import Tokenizer
 
@@ -87,6 +87,8 @@ def _check_tensor_parallel(args: argparse.Namespace, exits: ExitSettings) -> Non
 
 
 def _share_units(model_dir: Path, manifest: Manifest, count: int, directory: Path) -> ShareUnits:
+    from shards.share_units import shares_for  # torch: only where shares are asked for
+
     try:
         return shares_for(model_dir, manifest, [1.0] * count, directory)
     except ShareError as exc:

@@ -36,8 +36,8 @@ from peerd.wire import protocol
 from peerd.wire.protocol import ShareData, SharePhase
 from shards.executor import ExecutorOptions, Outcome, SessionShelf
 from shards.manifest import Manifest, Unit
+from shards.share_layout import ATTN, HIDDEN, MLP, NORMED, PAST, ShareUnits, step_inputs
 from shards.share_split import ShareError, Span, split_rows
-from shards.share_units import ATTN, HIDDEN, MLP, NORMED, PAST, ShareUnits, step_inputs
 
 ROWS_AXIS = 1  # [batch, rows, width]
 EMBED, HEAD = "embed", "head"

@@ -88,6 +88,14 @@ def test_seeded_sampling_from_the_cli_repeats_at_any_split(hf_checkpoint):
         (("--prompt-ids", "1,2", "--early-exit", "0.5", "--parts", "6"),
          "holds no whole decoder layer"),
         (("--prompt-ids", "1,2", "--speculative", "17"), "--speculative must be from 0 to 16"),
+        (("--prompt-ids", "1,2", "--tensor-parallel", "0"),
+         "--tensor-parallel must be at least 1, not 0"),
+        (("--prompt-ids", "1,2", "--tensor-parallel", "3"),
+         "--tensor-parallel 3: 3 shares exceed the 2 KV-head groups of a layer"),
+        (("--prompt-ids", "1,2", "--tensor-parallel", "2", "--early-exit", "0.5"),
+         "--tensor-parallel does not run with --early-exit or --speculative yet"),
+        (("--prompt-ids", "1,2", "--tensor-parallel", "2", "--quant", "int8"),
+         "--tensor-parallel exports float32 share units: drop --quant"),
     ],
 )
 def test_bad_requests_end_with_a_one_line_reason(hf_checkpoint, args, message):
@@ -137,3 +145,23 @@ def test_quant_int4_with_the_int8_alias_is_a_usage_error(hf_checkpoint, command)
     done = _peerd(command, *model, "--quant", "int4", "--int8")
     assert done.returncode == 2
     assert "error: --int8 conflicts with --quant int4" in done.stderr
+
+
+@pytest.mark.slow
+def test_tensor_parallel_cli_equals_transformers_and_says_the_shares(hf_checkpoint):
+    model_dir = hf_checkpoint("llama")
+    sharded(model_dir)
+    ids = ",".join(map(str, PROMPT))
+    out = _generate_json(model_dir, "--prompt-ids", ids, "--tensor-parallel", "2",
+                         "--parts", "2", "--max-tokens", "12")
+    tokens, _ = reference(model_dir, PROMPT, 12, stop_at_eos=True)
+    assert out["token_ids"] == tokens
+    stats = out["stats"]
+    assert stats["tensor_parallel"] == 2 and len(stats["stages"]) == 2
+    assert [s["kv_heads"] for s in stats["shares"]] == [[0, 1], [1, 2]]
+    assert [s["heads"] for s in stats["shares"]] == [[0, 2], [2, 4]]
+    assert stats["share_wire_bytes"] > 0
+    text = _peerd("generate", str(model_dir), "--prompt-ids", ids, "--tensor-parallel", "2",
+                  "--max-tokens", "4")
+    assert text.returncode == 0
+    assert "2 tensor-parallel shares per stage: share 0: heads 0-1 (KV heads 0-0)" in text.stderr
