@@ -45,6 +45,7 @@ from shards.arch.gpt2 import GPT2MLP, GPT2Attention
 from shards.arch.llama import LlamaAttention, LlamaMLP
 from shards.checkpoint import load_model
 from shards.config import ModelConfig, load_config
+from shards.executor import session_options
 from shards.export import disagreement, to_onnx
 from shards.manifest import Manifest
 from shards.onnx_file import write_unit
@@ -272,7 +273,8 @@ def _export(module: nn.Module, runs: dict, inputs: tuple[str, ...], outputs: tup
         staged = to_onnx(module, list(inputs), list(outputs), runs, Path(scratch))
         write_unit(staged, directory, relative)
     path = directory / relative
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(path), session_options(),
+                                   providers=["CPUExecutionProvider"])
     args, expected = runs[examples.EXPORT]
     problem = disagreement(session, inputs, outputs, args, expected, exact=True)
     if problem is not None:

@@ -34,7 +34,7 @@ import onnxruntime as ort
 
 from peerd.wire import protocol
 from peerd.wire.protocol import ShareData, SharePhase
-from shards.executor import ExecutorOptions, Outcome, SessionShelf
+from shards.executor import ExecutorOptions, Outcome, SessionShelf, session_options
 from shards.manifest import Manifest, Unit
 from shards.share_layout import ATTN, HIDDEN, MLP, NORMED, PAST, ShareUnits, step_inputs
 from shards.share_split import ShareError, Span, split_rows
@@ -54,9 +54,10 @@ class _Share:
             unit.name: shelf.session(stage.manifest, unit, directory / unit.model_file.name,
                                      options)
             for unit in stage.units if unit.name in (EMBED, HEAD)}
+        so = session_options(options.threads, options.spinning)  # the process's pool, if any
         self.blocks = {
             (layer, half): ort.InferenceSession(
-                str(units.unit(layer, half, index).path), providers=list(options.providers))
+                str(units.unit(layer, half, index).path), so, providers=list(options.providers))
             for layer, half in stage.blocks}
         share = units.shares[index]
         self.kv_heads = share.kv_heads.size
