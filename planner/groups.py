@@ -250,10 +250,12 @@ def shape_violations(cluster: Cluster, workload: Workload,
 
 
 # -- search ------------------------------------------------------------------------------------
-def best_shape(cluster: Cluster, workload: Workload, objective: str,
-               prompt_tokens: int) -> Shape:
-    """The fastest shape for `objective` among pipelines, groups and pipelines of groups."""
-    return fastest(best_by_kind(cluster, workload, objective, prompt_tokens).values())
+def best_shape(cluster: Cluster, workload: Workload, objective: str, prompt_tokens: int,
+               group_size: int | None = None) -> Shape:
+    """The fastest shape for `objective` among pipelines, groups and pipelines of groups
+    (with `group_size`: only shapes whose every stage is a group of that many peers)."""
+    return fastest(best_by_kind(cluster, workload, objective, prompt_tokens,
+                                group_size).values())
 
 
 def fastest(shapes: Iterable[Shape]) -> Shape:
@@ -261,9 +263,10 @@ def fastest(shapes: Iterable[Shape]) -> Shape:
     return min(shapes, key=lambda shape: _rank(shape, shape.objective))
 
 
-def best_by_kind(cluster: Cluster, workload: Workload, objective: str,
-                 prompt_tokens: int) -> dict[ShapeKind, Shape]:
-    """The fastest shape of each kind that holds the model, for `objective`."""
+def best_by_kind(cluster: Cluster, workload: Workload, objective: str, prompt_tokens: int,
+                 group_size: int | None = None) -> dict[ShapeKind, Shape]:
+    """The fastest shape of each kind that holds the model, for `objective` (with
+    `group_size`: among shapes whose every stage is a group of that many peers)."""
     if objective not in SHAPE_OBJECTIVES:
         raise InvalidInput(f"objective must be one of {', '.join(SHAPE_OBJECTIVES)}, "
                            f"not {objective!r}")
@@ -272,11 +275,15 @@ def best_by_kind(cluster: Cluster, workload: Workload, objective: str,
     best: dict[ShapeKind, Shape] = {}
     for groups in groupings(cluster, workload):
         shape = _placed(cluster, workload, groups, objective, prompt_tokens)
+        if shape and group_size and any(len(s.shares) != group_size for s in shape.stages):
+            continue
         if shape and (shape.kind not in best
                       or _rank(shape, objective) < _rank(best[shape.kind], objective)):
             best[shape.kind] = shape
     if not best:
-        raise Infeasible("no pipeline, group or pipeline of groups holds the model")
+        shapes = f"groups of {group_size} peers" if group_size else (
+            "pipeline, group or pipeline of groups")
+        raise Infeasible(f"no {shapes} holds the model")
     return best
 
 

@@ -164,3 +164,11 @@ def test_units_files_say_how_far_a_unit_splits():
     raw["units"][0]["share_grains"] = -1
     with pytest.raises(InvalidInput, match="share_grains must be a whole number"):
         workload_from_dict(raw)
+
+
+def test_a_group_size_keeps_only_shapes_of_such_groups():
+    cluster, workload = _cluster(4, latency_s=5e-3), _workload()
+    shape = best_shape(cluster, workload, "latency", PROMPT, group_size=2)
+    assert {len(stage.shares) for stage in shape.stages} == {2}
+    with pytest.raises(Infeasible, match="no groups of 5 peers holds the model"):
+        best_shape(cluster, workload, "latency", PROMPT, group_size=5)
