@@ -283,7 +283,7 @@ def best_by_kind(cluster: Cluster, workload: Workload, objective: str, prompt_to
     if not best:
         shapes = f"groups of {group_size} peers" if group_size else (
             "pipeline, group or pipeline of groups")
-        raise Infeasible(f"no {shapes} holds the model")
+        raise Infeasible(f"no {shapes} can hold the model")
     return best
 
 

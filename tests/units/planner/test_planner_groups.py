@@ -170,5 +170,5 @@ def test_a_group_size_keeps_only_shapes_of_such_groups():
     cluster, workload = _cluster(4, latency_s=5e-3), _workload()
     shape = best_shape(cluster, workload, "latency", PROMPT, group_size=2)
     assert {len(stage.shares) for stage in shape.stages} == {2}
-    with pytest.raises(Infeasible, match="no groups of 5 peers holds the model"):
+    with pytest.raises(Infeasible, match="no groups of 5 peers can hold the model"):
         best_shape(cluster, workload, "latency", PROMPT, group_size=5)
