@@ -44,30 +44,27 @@ printed beside each model's table.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-import netns  # noqa: E402  # pyright: ignore[reportMissingImports] (tests/ is on sys.path)
-from streaming import head_of  # noqa: E402  # pyright: ignore[reportMissingImports]
-
-from bench.llama_checkpoint import LlamaShape, reusable_llama  # noqa: E402
-from bench.workdir import run_in  # noqa: E402
-from peerd.commands.chat import stream_answer  # noqa: E402
-from peerd.commands.local_cluster import budget_for  # noqa: E402
-from shards.cli import SHARDS_SUBDIR  # noqa: E402
-from shards.manifest import Manifest  # noqa: E402
+from bench.llama_checkpoint import LlamaShape, reusable_llama
+from bench.namespaced import (
+    load_average,
+    netns,
+    note,
+    serving,
+    shard_once,
+    use_this_checkout,
+)
+from bench.workdir import run_in
+from peerd.commands.chat import stream_answer
+from peerd.commands.local_cluster import budget_for
+from shards.manifest import Manifest
 
 SHAPE = LlamaShape(layers=12, hidden=512, intermediate=1408, heads=8, kv_heads=4, vocab=32000)
 EXIT_LAYER = 2
@@ -83,7 +80,6 @@ ROWS: list[tuple[str, tuple[str, ...]]] = [
     ("--speculative 2", ("--speculative", "2", *EXIT)),
     ("--speculative 4", ("--speculative", "4", *EXIT)),
 ]
-SHARDED_S, DEPLOYED_S = 300, 300
 
 
 @dataclass
@@ -117,9 +113,7 @@ def main() -> int:
         return 2
     for signum in (signal.SIGTERM, signal.SIGHUP):  # unwind: remove namespaces and daemons
         signal.signal(signum, lambda number, _frame: sys.exit(128 + number))
-    # the daemons and `peerd shard` run this checkout's code, wherever peerd is installed
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    use_this_checkout()
     run_in(args.dir, lambda root: _bench(root, args))
     return 0
 
@@ -129,9 +123,9 @@ def _bench(root: Path, args: argparse.Namespace) -> None:
           f"to {args.mbit} Mbit/s (tbf); {len(PROMPTS)} greedy prompts of "
           f"{args.tokens} new tokens per row, medians; exit after layer {EXIT_LAYER}")
     for model in _models(root):
-        _note(f"== {model.label}")
+        note(f"== {model.label}")
         manifest, budget, dirs = _prepare(root, model)
-        load_before = _load()
+        load_before = load_average()
         rows = [_measure(row, dirs, model, budget, args) for row in ROWS]
         _table(model, manifest, budget, rows, load_before)
 
@@ -139,10 +133,10 @@ def _bench(root: Path, args: argparse.Namespace) -> None:
 def _models(root: Path) -> list[Model]:
     from bench.exit_model import write_exit_checkpoint
 
-    random_dir = reusable_llama(root, SHAPE, _note)
+    random_dir = reusable_llama(root, SHAPE, note)
     exit_dir = root / f"exit-{SHAPE.layers}x{SHAPE.hidden}-at{EXIT_LAYER}"
     if not (exit_dir / "config.json").exists():
-        _note(f"writing the constructed early-exit checkpoint {exit_dir}")
+        note(f"writing the constructed early-exit checkpoint {exit_dir}")
         exit_dir = write_exit_checkpoint(
             exit_dir, layers=SHAPE.layers, hidden=SHAPE.hidden, intermediate=SHAPE.intermediate,
             heads=SHAPE.heads, kv_heads=SHAPE.kv_heads, vocab=SHAPE.vocab,
@@ -157,23 +151,7 @@ def _models(root: Path) -> list[Model]:
 
 
 def _prepare(root: Path, model: Model) -> tuple[Manifest, str, list[Path]]:
-    """Shard the model once into a cache every peer links to, and fresh state dirs."""
-    cache = root / f"{model.directory.name}-state"
-    _note(f"sharding {model.directory.name} (reused when an earlier run left its units)")
-    started = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "peerd", "shard", str(model.directory), "--json"],
-        stdout=subprocess.PIPE, text=True, check=True, cwd=ROOT,
-        env={**os.environ, "PEERD_STATE_DIR": str(cache)})
-    result = json.loads(done.stdout)
-    _note(f"  {len(result['units'])} units, {'made' if result['stats']['exported'] else 'reused'}"
-          f" in {time.monotonic() - started:.0f}s")
-    peers_root = root / f"{model.directory.name}-peers"
-    shutil.rmtree(peers_root, ignore_errors=True)
-    dirs = netns.make_state_dirs(peers_root, PEERS)
-    for state_dir in dirs:
-        (state_dir / SHARDS_SUBDIR).symlink_to(cache / SHARDS_SUBDIR, target_is_directory=True)
-    manifest = Manifest.load(Path(result["directory"]))
+    manifest, dirs = shard_once(root, model.directory, PEERS)
     return manifest, budget_for(manifest, PEERS), dirs
 
 
@@ -182,29 +160,19 @@ def _measure(row: tuple[str, tuple[str, ...]], dirs: list[Path], model: Model, b
     label, flags = row
     extra = {i: ["--memory-budget", budget, "--model", str(model.directory), *flags]
              for i in range(PEERS)}
-    _note(f"row {label}: starting the cluster")
+    note(f"row {label}: starting the cluster")
     started = time.monotonic()
     with netns.cluster(dirs, extra, dict.fromkeys(range(PEERS), args.mbit)) as (_, peers):
-        head, plan = _serving(peers)
-        _note(f"  serving after {time.monotonic() - started:.0f}s; stages (units): "
+        head, plan = serving(peers)
+        note(f"  serving after {time.monotonic() - started:.0f}s; stages (units): "
               f"{_stages(plan, peers)}; head peer{head.index}")
         stream_answer(head.state_dir, _request(WARM_UP, 4))
         answers = [stream_answer(head.state_dir, _request(p, args.tokens)) for p in PROMPTS]
     result = Row(label, answers)
     decode = result.median(_decode_ms)
-    _note(f"  decode {decode or float('nan'):.1f} ms/token, exit rate "
+    note(f"  decode {decode or float('nan'):.1f} ms/token, exit rate "
           f"{_share(result.exit_total('exited'), _generated(result))}")
     return result
-
-
-def _serving(peers: list[netns.Peer]) -> tuple[netns.Peer, dict]:
-    netns.wait_for(lambda: netns.sharded_model(peers[0]), SHARDED_S, "the model ready",
-                   interval=0.5)
-    plan = netns.wait_for(lambda: netns.deployed_plan(peers), DEPLOYED_S, "a deployed plan",
-                          interval=0.5)
-    head = netns.wait_for(lambda: head_of(peers), DEPLOYED_S, "the head to accept chats",
-                          interval=0.5)
-    return head, plan
 
 
 def _stages(plan: dict, peers: list[netns.Peer]) -> str:
@@ -269,7 +237,7 @@ def _table(model: Model, manifest: Manifest, budget: str, rows: list[Row],
     full_decode, full_total = full.median(_decode_ms), full.median(_total_ms)
     print(f"\n{model.label}\n  {len(manifest.units)} units; --memory-budget "
           f"{int(budget) / 1e6:.0f} MB per peer; load average before {load_before}, "
-          f"after {_load()}")
+          f"after {load_average()}")
     print(HEADER)
     print(UNITS)
     for row in rows:
@@ -290,14 +258,6 @@ def _ms(value: float | None) -> str:
 
 def _ratio(full: float | None, row: float | None) -> str:
     return "-" if not full or not row else f"x{full / row:.2f}"
-
-
-def _load() -> str:
-    return ", ".join(f"{value:.1f}" for value in os.getloadavg())
-
-
-def _note(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def _parser() -> argparse.ArgumentParser:

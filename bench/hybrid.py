@@ -1,0 +1,218 @@
+"""Galaxy's hybrid parallelism on this machine, one run: one device, a 2-stage pipeline and a
+2-peer group, on a fast link and on a shaped slow one, beside what the planner predicts.
+
+Each daemon is one "device": its own network namespace (tests/netns.py) and its own core
+(taskset on every thread, set as it starts). The model: a random Llama (bench.llama_checkpoint)
+of `SHAPE`, float32, sharded once under `--dir` and linked into every peer's shard cache.
+Rows, each a fresh cluster:
+
+  one device   one daemon on core 0
+  pipeline     two daemons (cores 0 and 1), each offering memory for about 60% of the
+               model, so the plan has two stages
+  group        two daemons, `--tensor-parallel 2`: one stage, each layer shared by both
+
+For each row, after a warm-up answer: time to first token of `--prompts` prompts of
+`--prompt-tokens` random token ids (median; the chat stats' time_to_first_token_s) and decode
+tokens/s of answers of `--tokens` new tokens (median of the chat stats' tokens_per_second).
+
+Then the planner's choice: two daemons started with `--shapes --objective first-token`, and
+again with `--objective latency`: the shape the leader deploys is its predicted winner for
+that figure, printed beside the measured winner among the three rows (the planner may pick
+one peer alone too).
+
+Everything runs twice: on the bridge as it is, and with every namespace's egress shaped to
+`--slow-mbit` (tbf), where the group's collectives (two per layer half, each the step's rows
+of the hidden state) cost more than the compute they share.
+
+Targets (issue 19, fast link): time to first token one device / group >= 1.6 and
+pipeline / group >= 1.3; on the slow link the planner's predicted winner is the measured
+winner.
+
+    .venv/bin/python -m bench.hybrid [--dir DIR] [--prompt-tokens 512] [--slow-mbit 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.llama_checkpoint import LlamaShape, reusable_llama
+from bench.namespaced import load_average, netns, note, serving, shard_once, use_this_checkout
+from bench.workdir import run_in
+from peerd.commands.chat import stream_answer
+from peerd.commands.local_cluster import budget_share
+from shards.manifest import Manifest
+
+SHAPE = LlamaShape(layers=12, hidden=1024, intermediate=2816, heads=16, kv_heads=4)
+CORES = (0, 1)
+WARM_UP = [11, 12, 13, 14]
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    peers: int
+    flags: tuple[str, ...]
+    budget_share: float | None  # of the model each peer offers; None: no budget
+
+
+ROWS = (
+    Row("one device", 1, (), None),
+    Row("pipeline", 2, (), 0.6),
+    Row("group", 2, ("--tensor-parallel", "2"), None),
+)
+PLANNED = {"first token": ("--shapes", "--objective", "first-token"),
+           "decode": ("--shapes", "--objective", "latency")}
+
+
+@dataclass
+class Measured:
+    label: str
+    shape: str
+    first_token_s: float
+    decode_tps: float
+
+
+def main() -> int:
+    args = _parser().parse_args()
+    reason = netns.unavailable_reason()
+    if reason:
+        print(f"bench.hybrid: cannot run: {reason}", file=sys.stderr)
+        return 2
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # unwind: remove namespaces and daemons
+        signal.signal(signum, lambda number, _frame: sys.exit(128 + number))
+    use_this_checkout()
+    run_in(args.dir, lambda root: _bench(root, args))
+    return 0
+
+
+def _bench(root: Path, args: argparse.Namespace) -> None:
+    model_dir = reusable_llama(root, SHAPE, note)
+    manifest, dirs = shard_once(root, model_dir, 2)
+    prompts = _prompts(args)
+    print(f"hybrid parallelism: random Llama, {SHAPE.layers} layers, hidden {SHAPE.hidden}, "
+          f"{SHAPE.heads} heads ({SHAPE.kv_heads} K/V), float32; each daemon pinned to its own "
+          f"core; {len(prompts)} prompts of {args.prompt_tokens} tokens, answers of "
+          f"{args.tokens} tokens; medians")
+    for link, mbit in (("fast link (bridge, unshaped)", None),
+                       (f"slow link ({args.slow_mbit:g} Mbit/s tbf)", args.slow_mbit)):
+        note(f"== {link}")
+        before = load_average()
+        rows = [_measure(row, dirs, model_dir, manifest, mbit, prompts, args) for row in ROWS]
+        predicted = {figure: _planned(flags, dirs, model_dir, mbit) for figure, flags in
+                     PLANNED.items()}
+        _table(link, rows, predicted, before)
+
+
+def _prompts(args: argparse.Namespace) -> list[list[int]]:
+    draw = random.Random(0)
+    return [[draw.randrange(3, SHAPE.vocab) for _ in range(args.prompt_tokens)]
+            for _ in range(args.prompts)]
+
+
+@contextlib.contextmanager
+def _devices(dirs: list[Path], extra: dict[int, list[str]],
+             mbit: float | None) -> Iterator[list[netns.Peer]]:
+    """A cluster of len(dirs) daemons, daemon i pinned to CORES[i] from its start."""
+    with netns.Network(len(dirs)) as network, netns.logs_on_failure(network.peers):
+        for i in range(len(dirs)):
+            if mbit is not None:
+                network.shape(i, mbit)
+        peers = []
+        for i, state_dir in enumerate(dirs):
+            peer = network.start_peer(i, state_dir, *extra.get(i, []))
+            subprocess.run(["taskset", "-a", "-p", "-c", str(CORES[i]),
+                            str(peer.process.pid)], check=True, capture_output=True)
+            peers.append(peer)
+        yield peers
+
+
+def _measure(row: Row, dirs: list[Path], model_dir: Path, manifest: Manifest,
+             mbit: float | None, prompts: list[list[int]], args: argparse.Namespace) -> Measured:
+    note(f"row {row.label}: starting {row.peers} daemon(s)")
+    started = time.monotonic()
+    budget = [] if row.budget_share is None else [
+        "--memory-budget", budget_share(manifest, row.budget_share)]
+    extra = {i: [*budget, *row.flags] for i in range(row.peers)}
+    extra[0] += ["--model", str(model_dir)]
+    with _devices(dirs[: row.peers], extra, mbit) as peers:
+        head, plan = serving(peers)
+        shape = _shape(plan)
+        note(f"  serving after {time.monotonic() - started:.0f}s: {shape}")
+        stream_answer(head.state_dir, _request(WARM_UP, 4))
+        first = [stream_answer(head.state_dir, _request(p, 1))["stats"]["time_to_first_token_s"]
+                 for p in prompts]
+        decode = [stream_answer(head.state_dir, _request(p[:32], args.tokens))["stats"]
+                  ["tokens_per_second"] for p in prompts]
+    measured = Measured(row.label, shape, statistics.median(first), statistics.median(decode))
+    note(f"  first token {measured.first_token_s * 1e3:.0f} ms, decode "
+         f"{measured.decode_tps:.1f} tokens/s")
+    return measured
+
+
+def _planned(flags: tuple[str, ...], dirs: list[Path], model_dir: Path,
+             mbit: float | None) -> str:
+    """The shape the leader deploys for two peers started with `flags`."""
+    extra = {0: ["--model", str(model_dir), *flags], 1: list(flags)}
+    with _devices(dirs, extra, mbit) as peers:
+        _, plan = serving(peers)
+    shape = _shape(plan)
+    note(f"planner with {' '.join(flags)}: {shape}")
+    return shape
+
+
+def _shape(plan: dict) -> str:
+    """The row label of a deployed plan's shape."""
+    stages = plan["stages"]
+    if any(len(stage.get("shares") or ()) > 1 for stage in stages):
+        return "group" if len(stages) == 1 else "pipeline of groups"
+    return "one device" if len(stages) == 1 else "pipeline"
+
+
+def _request(prompt: list[int], tokens: int) -> dict:
+    return {"prompt_ids": prompt, "max_tokens": tokens, "temperature": 0.0}
+
+
+def _table(link: str, rows: list[Measured], predicted: dict[str, str], before: str) -> None:
+    by = {row.label: row for row in rows}
+    print(f"\n{link}; load average before {before}, after {load_average()}")
+    print(f"{'row':<12} {'deployed':<12} {'first token':>12} {'decode':>10}")
+    for row in rows:
+        print(f"{row.label:<12} {row.shape:<12} {row.first_token_s * 1e3:>9.0f} ms "
+              f"{row.decode_tps:>6.1f} t/s")
+    group = by["group"].first_token_s
+    print(f"first token: one device / group x{by['one device'].first_token_s / group:.2f} "
+          f"(target >= 1.6), pipeline / group x{by['pipeline'].first_token_s / group:.2f} "
+          f"(target >= 1.3)")
+    winners = {"first token": min(rows, key=lambda r: r.first_token_s).label,
+               "decode": max(rows, key=lambda r: r.decode_tps).label}
+    for figure, shape in predicted.items():
+        verdict = "agree" if shape == winners[figure] else "DISAGREE"
+        print(f"{figure}: planner predicts {shape}, measured winner {winners[figure]}: {verdict}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--dir", help="working directory, kept and reused by later runs "
+                        "(default: a temporary one, removed at the end)")
+    parser.add_argument("--prompt-tokens", type=int, default=512,
+                        help="tokens of each prompt (default 512)")
+    parser.add_argument("--prompts", type=int, default=3, help="prompts per row (default 3)")
+    parser.add_argument("--tokens", type=int, default=32,
+                        help="new tokens of each decode answer (default 32)")
+    parser.add_argument("--slow-mbit", type=float, default=20.0,
+                        help="each namespace's egress in Mbit/s on the slow link (default 20)")
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())
