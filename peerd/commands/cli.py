@@ -41,8 +41,9 @@ def _add_early_exit(p: argparse.ArgumentParser, who: str) -> None:
     p.add_argument(
         "--speculative", type=int, default=0, metavar="N",
         help=f"{who} drafts up to N tokens from the exit and the full model checks them in "
-        "one step: greedy answers stay exactly the full model's, with fewer trips through "
-        "the stages (off by default; greedy answers only)",
+        "one step: greedy answers stay exactly the full model's and sampled ones follow its "
+        "distribution (speculative sampling), with fewer trips through the stages (off by "
+        "default; not for answers that ask log-probabilities)",
     )
 
 

@@ -45,8 +45,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise PeerdError(f"--max-tokens must be at least 1, not {args.max_tokens}")
     exits = exit_settings(args)
-    if exits.speculative and not params.greedy:
-        raise PeerdError("--speculative checks drafts greedily: use it with --temperature 0")
     _check_tensor_parallel(args, exits)
     prompt = _prompt_ids(args, model_dir)
     shards = shard_or_reuse(model_dir, None, ShardOptions(quant=args.quant))

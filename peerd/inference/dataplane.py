@@ -50,6 +50,7 @@ from typing import TypeVar
 from peerd.cluster.unit_clock import UnitClock
 from peerd.inference.answer_clock import AnswerClock
 from peerd.inference.pipeline import (
+    Drafts,
     Generation,
     NewToken,
     StageWorker,
@@ -146,7 +147,7 @@ class _Running:
     params: SamplingParams
     paused: bool = False  # stopped at a token boundary, to move to the handover plane
     last_token_at: float | None = None  # on this plane
-    drafts: list[int] = field(default_factory=list)  # what the step under way checks
+    drafts: Drafts = field(default_factory=Drafts)  # what the step under way checks
     deciding: int | None = None  # the step whose exit is being computed
     held: tuple | None = None  # the full model's token for it, come meanwhile (_on_token args)
     checked: asyncio.Event = field(default_factory=asyncio.Event)  # no exited step unchecked
@@ -425,15 +426,16 @@ class DataPlane:
         running.drafts = await self._drafts(running)
         await self._run(running.generation.next_step(running.drafts), ready_at)
 
-    async def _drafts(self, running: _Running) -> list[int]:
+    async def _drafts(self, running: _Running) -> Drafts:
         """The exit's guesses of the next tokens for the full model to check (speculative
-        decoding: greedy answers that ask no log-probabilities, once they have a token)."""
+        decoding: answers that ask no log-probabilities, once they have a token)."""
         generation, executor = running.generation, self.worker.executor
         count = drafts_wanted(self.exits, generation, running.params)
         if count == 0 or executor.exit is None:
-            return []
+            return Drafts()
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._compute, draft, executor, generation, count)
+        return await loop.run_in_executor(self._compute, draft, executor, generation, count,
+                                          running.params)
 
     def _landed(self, seq_id: str) -> None:
         """The answer's step is no longer under way: its token came, or it ended."""
@@ -459,8 +461,8 @@ class DataPlane:
             return
         self._in_flight.discard(seq_id)
         try:
-            if running.drafts or checks:
-                new = generation.verified(step, running.drafts, checks, token)
+            if running.drafts.tokens or checks:
+                new = generation.verified(step, running.drafts.tokens, checks, token)
             else:
                 generation.record(step, token)
                 new = [token]
@@ -746,8 +748,12 @@ class DataPlane:
                 self.worker.drop(seq_id)
                 await self._report_failure(seq_id, f"stage {self.stage}: {seq_id} was not opened")
                 return
-            token = self.sampler.sample(seq_id, done.logits)
-            checks = self.sampler.checks(done.logits, done.rows)
+            try:
+                checks, token = self.sampler.tokens(seq_id, done.logits, done.rows,
+                                                    done.draft_probs)
+            except ValueError as exc:
+                await self._report_failure(seq_id, f"stage {self.stage}, step {step}: {exc}")
+                return
             await self._emit_token(seq_id, step, token,
                                    self.sampler.logprobs(seq_id, done.logits, token), checks)
         if step > 0:  # the planner prices decode steps; step 0 is the prefill

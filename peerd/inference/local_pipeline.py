@@ -81,11 +81,12 @@ class LocalPipeline:
                     self._continue(generation, ready[0])
 
     def _next_step(self, generation: Generation) -> Step:
-        count = drafts_wanted(self.exits, generation, self._params[generation.seq_id])
+        params = self._params[generation.seq_id]
+        count = drafts_wanted(self.exits, generation, params)
         if count == 0:
             return generation.next_step()
-        drafts = self._drafts[generation.seq_id] = draft(self.workers[0].executor, generation,
-                                                         count)
+        drafts = draft(self.workers[0].executor, generation, count, params)
+        self._drafts[generation.seq_id] = drafts.tokens
         return generation.next_step(drafts)
 
     def _continue(self, generation: Generation, first_stage: list[Step]) -> None:
@@ -111,13 +112,13 @@ class LocalPipeline:
         """The full model's token(s) for the step: True when the answer goes on from them
         (or, having ended, has nothing left to check)."""
         assert done.logits is not None
-        token = self.sampler.sample(done.seq_id, done.logits)
+        checks, token = self.sampler.tokens(done.seq_id, done.logits, done.rows,
+                                            done.draft_probs)
         if generation.check(done.step, token):
             return generation.finished and not generation.unchecked
         if done.rows > 1:
             drafts = self._drafts.pop(done.seq_id)
-            new = generation.verified(done.step, drafts, self.sampler.checks(done.logits,
-                                                                              done.rows), token)
+            new = generation.verified(done.step, drafts, checks, token)
             self._tell(generation, new, done.logits[0, done.logits.shape[1] - done.rows :])
         else:
             generation.record(done.step, token)

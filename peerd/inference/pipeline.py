@@ -22,11 +22,19 @@ from typing import Generic, Protocol, TypeVar
 import numpy as np
 
 from peerd.inference.routing import Route, StageRoutes
-from peerd.wire.protocol import StageData
+from peerd.wire.protocol import StageData, draft_probs, read_draft_probs
 from shards import heap
 from shards.early_exit import EXIT_HIDDEN, ExitSettings, confidence
 from shards.executor import Outcome, StageExecutor
-from shards.sampling import Ranked, Sampler, SamplingParams, token_logprobs
+from shards.sampling import (
+    Distribution,
+    Ranked,
+    Sampler,
+    SamplingParams,
+    distribution,
+    draft_stream,
+    token_logprobs,
+)
 
 Tensors = dict[str, np.ndarray]
 
@@ -69,6 +77,8 @@ class Step:
     inputs: Tensors
     past: int | None = None  # K/V positions it continues from: each stage drops any beyond
     rows: int = 1  # positions whose tokens the last stage gives (a speculative check)
+    # a sampled answer's check: its drafts and their distributions (StageData.draft_probs)
+    draft_probs: Tensors = field(default_factory=dict)
 
 
 W = TypeVar("W")
@@ -110,6 +120,7 @@ class StepDone:
     unit_s: dict[int, float] = field(default_factory=dict)  # each unit's seconds, its batch's
     exit_hidden: np.ndarray | None = None  # on the stage with the exit: what it reads
     rows: int = 1  # positions whose tokens the last stage gives
+    draft_probs: Tensors = field(default_factory=dict)  # as the step's
 
 
 class StageWorker(Generic[Runner]):
@@ -129,7 +140,7 @@ class StageWorker(Generic[Runner]):
         self.fp16_wire = fp16_wire
         self.plan = plan  # stamped on every message, see StageData.plan
         self.counters = StageCounters()
-        self._pending: dict[tuple[str, int], dict[int, Tensors]] = {}
+        self._pending: dict[tuple[str, int], dict[int, StageData]] = {}
         self._next: dict[str, int] = {}  # the step each sequence runs next
 
     def accept(self, source: int, message: StageData) -> Step | None:
@@ -143,17 +154,25 @@ class StageWorker(Generic[Runner]):
                 f"stage {self.stage}: stage {source} sent {sorted(message.tensors)}, "
                 f"expected {sorted(expected)}"
             )
+        self._check_vocabulary(message.draft_probs)
         for name, tensor in message.tensors.items():
             received = self.counters.received_bytes
             received[name] = received.get(name, 0) + tensor.nbytes
         key = (message.seq_id, message.step)
         arrived = self._pending.setdefault(key, {})
-        arrived[source] = message.tensors
+        arrived[source] = message
         if len(arrived) < len(self.routes.expects):
             return None
         del self._pending[key]
-        inputs = {name: t for tensors in arrived.values() for name, t in tensors.items()}
-        return Step(message.seq_id, message.step, inputs, message.past, message.rows)
+        inputs = {name: t for m in arrived.values() for name, t in m.tensors.items()}
+        drafts = next((m.draft_probs for m in arrived.values() if m.draft_probs), {})
+        return Step(message.seq_id, message.step, inputs, message.past, message.rows, drafts)
+
+    def _check_vocabulary(self, probs: Tensors) -> None:
+        vocab = self.executor.manifest.model.vocab_size
+        if probs and int(probs["ids"].max()) >= vocab:
+            raise ValueError(f"stage {self.stage}: a draft token id beyond the vocabulary "
+                             f"({vocab} tokens)")
 
     def due(self, waiting: list[W], step_of: Callable[[W], Step]) -> tuple[list[W], list[W]]:
         """The waiting steps to run now, and those that wait on: a sequence's steps run in
@@ -232,7 +251,7 @@ class StageWorker(Generic[Runner]):
         sequential = sum(o.nbytes for o in outgoing if o.target == self.stage + 1)
         done = StepDone(self.stage, step.seq_id, step.step, outgoing, logits, seconds,
                         sequential, sum(o.nbytes for o in outgoing) - sequential, unit_s,
-                        exit_hidden, step.rows)
+                        exit_hidden, step.rows, step.draft_probs)
         self._count(done)
         return done
 
@@ -256,9 +275,12 @@ class StageWorker(Generic[Runner]):
 
     def _message(self, step: Step, route: Route, available: Tensors, batch: Batch) -> Outgoing:
         tensors = {name: self._wire(available[name]) for name in route.names}
+        # the drafts' distributions go down the ring to the last stage, not to residuals
+        drafts = step.draft_probs if route.target == self.stage + 1 else {}
         message = StageData(self.plan, step.seq_id, step.step, tensors, batch.name, batch.size,
-                            step.past, step.rows)
-        return Outgoing(route.target, message, sum(t.nbytes for t in tensors.values()))
+                            step.past, step.rows, drafts)
+        nbytes = sum(t.nbytes for t in (*tensors.values(), *drafts.values()))
+        return Outgoing(route.target, message, nbytes)
 
     def _wire(self, array: np.ndarray) -> np.ndarray:
         if self.fp16_wire and array.dtype == np.float32:
@@ -296,11 +318,20 @@ class TokenSampler:
     def sample(self, seq_id: str, logits: np.ndarray) -> int:
         return self._samplers[seq_id](logits[0, -1])
 
-    @staticmethod
-    def checks(logits: np.ndarray, rows: int) -> tuple[int, ...]:
-        """The most likely token at each of the `rows` - 1 positions before the last (a
-        speculative check, which runs greedy answers only)."""
-        return tuple(int(t) for t in np.argmax(logits[0, logits.shape[1] - rows : -1], axis=-1))
+    def tokens(self, seq_id: str, logits: np.ndarray, rows: int,
+               probs: Tensors) -> tuple[tuple[int, ...], int]:
+        """The full model's tokens for a step: at each of its `rows` - 1 positions before
+        the last (a speculative check of drafts) and its token. A greedy answer's checks
+        are the most likely tokens; a sampled answer's come of speculative sampling
+        against the drafts' distributions `probs` (StageData.draft_probs, Sampler.verify).
+        ValueError for a sampled check without them."""
+        sampler = self._samplers[seq_id]
+        last = logits[0, logits.shape[1] - rows :]
+        if rows == 1 or sampler.params.greedy:
+            return tuple(int(t) for t in np.argmax(last[:-1], axis=-1)), sampler(last[-1])
+        if not probs:
+            raise ValueError(f"{seq_id}: a sampled check without its drafts' probabilities")
+        return sampler.verify(last, *read_draft_probs(probs))
 
     def logprobs(self, seq_id: str, logits: np.ndarray, token: int) -> TokenLogprobs | None:
         """What the sequence asked to know of the step that sampled `token`, if anything."""
@@ -326,34 +357,56 @@ def exit_token(settings: ExitSettings, sampler: TokenSampler, seq_id: str,
 
 def drafts_wanted(settings: ExitSettings, generation: Generation,
                   params: SamplingParams) -> int:
-    """How many tokens the exit drafts for the generation's next step: for greedy answers
-    that ask no log-probabilities, once they have a token, one more than the last check
-    kept, up to --speculative, and no more than the answer has room for after the check's
-    own token. Drafting costs a step of the first stage per draft, so where the exit guesses
-    badly it drafts one a check (a random 12-layer model over three daemons: x0.40 of the
-    full model's speed with 4 drafts a check, none ever kept)."""
-    if not generation.tokens or not params.greedy or params.logprobs is not None:
+    """How many tokens the exit drafts for the generation's next step: for answers that ask
+    no log-probabilities, once they have a token, one more than the last check kept, up to
+    --speculative, and no more than the answer has room for after the check's own token.
+    Drafting costs a step of the first stage per draft, so where the exit guesses badly it
+    drafts one a check (a random 12-layer model over three daemons: x0.40 of the full
+    model's speed with 4 drafts a check, none ever kept). Answers that ask log-probabilities
+    never draft: a check gives several tokens, and `SequenceToken` carries the
+    log-probabilities of one."""
+    if not generation.tokens or params.logprobs is not None:
         return 0
     wanted = settings.speculative if generation.last_kept is None else generation.last_kept + 1
     room = generation.max_tokens - len(generation.tokens) - 1
     return max(min(wanted, settings.speculative, room), 0)
 
 
-def draft(executor: StageExecutor, generation: Generation, count: int) -> list[int]:
-    """The exit's greedy guesses of the generation's next tokens, up to `count`, from the
-    units of `executor` alone (it holds unit 0 and the exit). Its K/V keeps the positions
-    they took: the check that follows (`Generation.next_step(drafts)`) drops them."""
+@dataclass(frozen=True)
+class Drafts:
+    """The exit's drafts for a check, and for a sampled answer the distribution each was
+    drawn from, as the step carries them (StageData.draft_probs; empty for a greedy one)."""
+
+    tokens: list[int] = field(default_factory=list)
+    probs: Tensors = field(default_factory=dict)
+
+
+def draft(executor: StageExecutor, generation: Generation, count: int,
+          params: SamplingParams) -> Drafts:
+    """The exit's guesses of the generation's next tokens, up to `count`, from the units of
+    `executor` alone (it holds unit 0 and the exit): its most likely tokens for a greedy
+    answer; for a sampled one, each drawn from the exit's logits processed as the answer's
+    sampler processes the full model's (`distribution`), with the check's own random stream
+    (`draft_stream`). Its K/V keeps the positions they took: the check that follows
+    (`Generation.next_step(drafts)`) drops them."""
     context = [*generation.prompt, *generation.tokens]
-    drafts: list[int] = []
+    stream = None if params.greedy else draft_stream(params, len(generation.tokens))
+    tokens: list[int] = []
+    proposals: list[Distribution] = []
     for position in range(len(context) - 1, len(context) - 1 + count):
-        token = drafts[-1] if drafts else context[-1]
+        token = tokens[-1] if tokens else context[-1]
         inputs = {"input_ids": np.array([[token]], np.int64),
                   "position_ids": np.array([[position]], np.int64)}
         hidden = executor.step(generation.seq_id, inputs)[EXIT_HIDDEN]
-        drafts.append(int(np.argmax(executor.exit_logits(hidden)[0, -1])))
-        if drafts[-1] in generation.stop_ids:
+        row = executor.exit_logits(hidden)[0, -1]
+        if stream is None:
+            tokens.append(int(np.argmax(row)))
+        else:
+            proposals.append(distribution(row, params))
+            tokens.append(proposals[-1].draw(stream.random()))
+        if tokens[-1] in generation.stop_ids:
             break
-    return drafts
+    return Drafts(tokens, draft_probs(tokens, proposals) if proposals else {})
 
 
 @dataclass
@@ -390,13 +443,15 @@ class Generation:
     last_kept: int | None = None  # drafts the last check kept
     degraded: int = 0  # tokens from the exit alone, while no plan served (standalone)
 
-    def next_step(self, drafts: list[int] | tuple[int, ...] = ()) -> Step:
+    def next_step(self, drafts: Drafts | None = None) -> Step:
         """The step to run next, with the exit's `drafts` after the last token (a check)."""
-        context = [*self.prompt, *self.tokens, *drafts]
+        drafts = drafts or Drafts()
+        context = [*self.prompt, *self.tokens, *drafts.tokens]
         positions = np.arange(self.cached, len(context), dtype=np.int64)
         inputs = {"input_ids": np.asarray([context[self.cached :]], dtype=np.int64),
                   "position_ids": positions[None, :]}
-        return Step(self.seq_id, self.step, inputs, self.cached, len(drafts) + 1)
+        return Step(self.seq_id, self.step, inputs, self.cached, len(drafts.tokens) + 1,
+                    drafts.probs)
 
     def record(self, step: int, token: int, exited: bool = False) -> bool:
         """Add the token sampled at `step` (by the exit: `exited`); True when the generation

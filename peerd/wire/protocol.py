@@ -1,9 +1,10 @@
 """The wire protocol: every message peers exchange is defined here, and only here.
 
 A message travels as a list of ZeroMQ frames: frame 0 is a msgpack map
-``{"v": PROTOCOL_VERSION, "kind": KIND, ...fields}``; a message with tensors lists them in the
-header as ``"tensors": [[name, dtype, shape], ...]`` and sends each tensor's raw bytes as one
-more frame, in that order (no pickling; decoding is zero-copy over the received buffers).
+``{"v": PROTOCOL_VERSION, "kind": KIND, ...fields}``; a field of tensors (``Tensors``, such as
+``tensors``) lists them in the header as ``"<field>": [[name, dtype, shape], ...]`` and each
+tensor's raw bytes follow as one more frame, fields in their order, tensors in the listed
+order (no pickling; decoding is zero-copy over the received buffers).
 
 Messages are frozen dataclasses registered with ``@message("kind")``. Their field annotations
 are the schema: ``decode`` checks every header field against them (nested frozen dataclasses
@@ -31,6 +32,7 @@ import msgpack
 import numpy as np
 
 from peerd.wire.states import OFFERED_MODEL_STATES, REPORTED_DEPLOY_STATES, ModelState
+from shards.sampling import Distribution
 
 PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
@@ -140,8 +142,11 @@ class StageData:
     step continues from: a stage holding more (drafted tokens the full model rejected) drops
     the rest first. ``rows`` asks the last stage for the tokens of the step's last ``rows``
     positions (a speculative check, ``SequenceToken.checks``), not only of the last one.
-    Steps of one sequence may follow each other before the first is done (early exit): each
-    stage runs them in ``step`` order.
+    ``draft_probs``, for a check of a sampled answer, holds its drafts and the distribution
+    each was drawn from (``DRAFT_PROBS``, ``draft_probs``), which the last stage tests them
+    against (speculative sampling); each stage forwards it to the next. Steps of one
+    sequence may follow each other before the first is done (early exit): each stage runs
+    them in ``step`` order.
     """
 
     KIND: ClassVar[str]
@@ -154,6 +159,7 @@ class StageData:
     batch_size: int = 1
     past: int | None = None
     rows: int = 1
+    draft_probs: Tensors = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         _require(1 <= self.batch_size <= MAX_BATCH, f"stage: batch_size outside 1..{MAX_BATCH}")
@@ -161,6 +167,48 @@ class StageData:
         _require(self.step >= 0, "stage: negative step")
         _require(self.past is None or self.past >= 0, "stage: negative past")
         _require(1 <= self.rows <= MAX_ROWS, f"stage: rows outside 1..{MAX_ROWS}")
+        if self.draft_probs:
+            _check_draft_probs(self.draft_probs, self.rows - 1)
+
+
+# StageData.draft_probs, for n drafts: "tokens" [n] (the drafts), "sizes" [n] (the size of
+# each one's distribution's support), then the supports one after the other: "ids" [sum of
+# sizes] and "probs" (float32) [sum of sizes]. The integers are int32.
+DRAFT_PROBS = ("tokens", "sizes", "ids", "probs")
+
+
+def draft_probs(tokens: Sequence[int], proposals: Sequence[Distribution]) -> Tensors:
+    """StageData.draft_probs for drafts and the distributions they were drawn from."""
+    return {"tokens": np.asarray(tokens, np.int32),
+            "sizes": np.asarray([q.ids.size for q in proposals], np.int32),
+            "ids": np.concatenate([q.ids for q in proposals]).astype(np.int32),
+            "probs": np.concatenate([q.probs for q in proposals]).astype(np.float32)}
+
+
+def read_draft_probs(tensors: Tensors) -> tuple[list[int], list[Distribution]]:
+    """The drafts and their distributions of a (checked) StageData.draft_probs."""
+    bounds = np.cumsum(tensors["sizes"])[:-1]
+    rows = zip(np.split(tensors["ids"], bounds), np.split(tensors["probs"], bounds), strict=True)
+    return [int(t) for t in tensors["tokens"]], [Distribution(i, p) for i, p in rows]
+
+
+def _check_draft_probs(tensors: Tensors, drafts: int) -> None:
+    _require(tuple(tensors) == DRAFT_PROBS, f"stage: draft_probs holds {list(tensors)}, "
+             f"not {list(DRAFT_PROBS)}")
+    tokens, sizes, ids, probs = (tensors[name] for name in DRAFT_PROBS)
+    _require(all(t.ndim == 1 and t.dtype == np.int32 for t in (tokens, sizes, ids))
+             and probs.ndim == 1 and probs.dtype == np.float32,
+             "stage: draft_probs are 1-D, int32 but probs float32")
+    _require(tokens.size == sizes.size == drafts,
+             f"stage: draft_probs for {tokens.size} drafts in a step of {drafts}")
+    _require(bool((sizes > 0).all()) and int(sizes.sum()) == ids.size == probs.size,
+             "stage: draft_probs sizes do not add up to their ids and probs")
+    _require(bool((ids >= 0).all()), "stage: a negative draft token id")
+    _require(bool(np.isfinite(probs).all() and (probs >= 0).all()),
+             "stage: draft probabilities are not all finite and >= 0")
+    _, proposals = read_draft_probs(tensors)
+    _require(all(q.probs[q.ids == t].sum() > 0 for t, q in zip(tokens, proposals, strict=True)),
+             "stage: a draft its distribution gives no probability")
 
 
 class SharePhase(enum.StrEnum):
@@ -933,10 +981,12 @@ def encode(msg: Message) -> list[bytes | memoryview]:
         raise TypeError(f"not a registered message: {type(msg).__name__}")
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": kind}
     frames: list[bytes | memoryview] = []
+    tensor_fields = _tensor_fields(type(msg))
     for field in dataclasses.fields(msg):
         value = getattr(msg, field.name)
-        if field.name == "tensors":
-            header["tensors"], frames = _tensor_frames(value)
+        if field.name in tensor_fields:
+            header[field.name], more = _tensor_frames(value)
+            frames.extend(more)
         else:
             header[field.name] = _plain(value)
     # msgpack has no type hints; its pure-Python fallback's `pack` reads as Optional
@@ -981,16 +1031,25 @@ def decode(frames: Sequence[bytes | memoryview | Any]) -> Message:
     cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError("unknown message kind")
-    if "tensors" in _hints(cls):
-        header["tensors"] = _decode_tensors(header.get("tensors"), buffers[1:])
-    elif len(buffers) > 1:
-        raise ProtocolError(f"{cls.KIND}: carries no tensors but has {len(buffers) - 1} frames")
+    frames_left = buffers[1:]
+    for name in _tensor_fields(cls):
+        if name in header:
+            header[name], frames_left = _decode_tensors(name, header[name], frames_left)
+    if frames_left:
+        raise ProtocolError(f"{cls.KIND}: {len(frames_left)} frames no tensor field lists")
     return _build(cls, header, cls.KIND)
 
 
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+@functools.cache
+def _tensor_fields(cls: type) -> tuple[str, ...]:
+    """The fields of a message class that carry tensors, in order."""
+    hints = _hints(cls)
+    return tuple(f.name for f in dataclasses.fields(cls) if hints[f.name] == Tensors)
 
 
 def _build(cls: type, header: dict, where: str) -> Any:
@@ -1004,7 +1063,8 @@ def _build(cls: type, header: dict, where: str) -> Any:
             raise ProtocolError(f"{where}: missing field {field.name!r}")
         value = header.pop(field.name)
         values[field.name] = (
-            value if field.name == "tensors" else _check(value, hints[field.name], field.name)
+            value if field.name in _tensor_fields(cls)
+            else _check(value, hints[field.name], field.name)
         )
     if header:
         raise ProtocolError(f"{where}: unexpected fields {sorted(map(str, header))}")
@@ -1037,13 +1097,15 @@ def _unpack_header(buffer: memoryview) -> dict:
     return header
 
 
-def _decode_tensors(specs: Any, buffers: list[memoryview]) -> Tensors:
+def _decode_tensors(field: str, specs: Any,
+                    buffers: list[memoryview]) -> tuple[Tensors, list[memoryview]]:
+    """The tensors a field lists, from the first of `buffers`, and the buffers left."""
     if not isinstance(specs, list) or len(specs) > MAX_TENSORS:
-        raise ProtocolError("tensors: expected a list of [name, dtype, shape]")
-    if len(specs) != len(buffers):
-        raise ProtocolError(f"tensors: header lists {len(specs)}, message has {len(buffers)}")
+        raise ProtocolError(f"{field}: expected a list of [name, dtype, shape]")
+    if len(specs) > len(buffers):
+        raise ProtocolError(f"{field}: header lists {len(specs)}, message has {len(buffers)}")
     tensors: Tensors = {}
-    for spec, buffer in zip(specs, buffers, strict=True):
+    for spec, buffer in zip(specs, buffers, strict=False):
         name, dtype, shape = _tensor_spec(spec)
         if name in tensors:
             raise ProtocolError(f"tensor {name!r} sent twice")
@@ -1057,7 +1119,7 @@ def _decode_tensors(specs: Any, buffers: list[memoryview]) -> Tensors:
                 f"tensor {name!r}: {len(buffer)} bytes do not fit {dtype}{list(shape)}"
             )
         tensors[name] = np.frombuffer(buffer, dtype=dtype).reshape(shape)
-    return tensors
+    return tensors, buffers[len(specs):]
 
 
 def _tensor_spec(spec: Any) -> tuple[str, str, tuple[int, ...]]:

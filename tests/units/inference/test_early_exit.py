@@ -113,7 +113,8 @@ def test_bad_settings_are_refused_in_one_line(hf_checkpoint):
 
 def test_drafts_follow_what_the_checks_kept():
     """Each check drafts one more token than the last check kept (all of --speculative
-    before the first): an exit that guesses badly drafts one token a check."""
+    before the first): an exit that guesses badly drafts one token a check. Sampled answers
+    draft too; answers that ask log-probabilities do not."""
     settings, greedy = ExitSettings(speculative=4), GREEDY
     generation = Generation("s", [1, 2], 20, frozenset(), tokens=[5])
     assert drafts_wanted(settings, generation, greedy) == 4
@@ -123,6 +124,7 @@ def test_drafts_follow_what_the_checks_kept():
     assert drafts_wanted(settings, generation, greedy) == 1
     generation.verified(2, [6], (6,), 2)
     assert drafts_wanted(settings, generation, greedy) == 2
-    assert drafts_wanted(settings, generation, SamplingParams(temperature=0.5)) == 0
+    assert drafts_wanted(settings, generation, SamplingParams(temperature=0.5)) == 2
+    assert drafts_wanted(settings, generation, SamplingParams(logprobs=0)) == 0
     generation.max_tokens = len(generation.tokens) + 1
     assert drafts_wanted(settings, generation, greedy) == 0  # room for the check's own token

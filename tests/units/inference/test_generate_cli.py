@@ -78,8 +78,6 @@ def test_seeded_sampling_from_the_cli_repeats_at_any_split(hf_checkpoint):
         (("--prompt-ids", "1,99999"), "prompt token ids must be in 0..383"),
         (("--prompt-ids", "1,2", "--max-tokens", "300"), "exceed the model's 256 positions"),
         (("--prompt-ids", "1,2", "--temperature", "-1"), "temperature must be"),
-        (("--prompt-ids", "1,2", "--speculative", "2", "--temperature", "0.7"),
-         "--speculative checks drafts greedily"),
         (("--prompt-ids", "1,2", "--exit-layer", "1"), "--exit-layer places the exit"),
         (("--prompt-ids", "1,2", "--early-exit", "0.5", "--speculative", "2"),
          "do not go together"),
