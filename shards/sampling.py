@@ -140,9 +140,10 @@ def acceptance(p: np.ndarray, q: np.ndarray, draft: int) -> float:
 
 
 def residual(p: np.ndarray, q: np.ndarray, draft: int) -> np.ndarray:
-    """What speculative sampling draws from when it replaces `draft`: max(0, p - q),
-    normalised. It is 0 at the draft, whose rejection means q(x) > p(x); where p and q are
-    equal up to rounding and nothing is left, p without the draft."""
+    """What speculative sampling draws from when it replaces `draft` (which it can where
+    acceptance(p, q, draft) < 1): max(0, p - q), normalised. It is 0 at the draft, whose
+    rejection means q(x) > p(x); where p and q are equal up to rounding and nothing is
+    left, p without the draft."""
     excess = np.maximum(p - q, 0.0)
     excess[draft] = 0.0
     if not excess.sum() > 0.0:

@@ -358,14 +358,17 @@ def exit_token(settings: ExitSettings, sampler: TokenSampler, seq_id: str,
 def drafts_wanted(settings: ExitSettings, generation: Generation,
                   params: SamplingParams) -> int:
     """How many tokens the exit drafts for the generation's next step: for answers that ask
-    no log-probabilities, once they have a token, one more than the last check kept, up to
+    no log-probabilities, once they have a token and the stages hold the K/V of every
+    position before it (not on a step that re-prefills, after a plan change, where the
+    head's stage has no context to draft from), one more than the last check kept, up to
     --speculative, and no more than the answer has room for after the check's own token.
     Drafting costs a step of the first stage per draft, so where the exit guesses badly it
     drafts one a check (a random 12-layer model over three daemons: x0.40 of the full
     model's speed with 4 drafts a check, none ever kept). Answers that ask log-probabilities
     never draft: a check gives several tokens, and `SequenceToken` carries the
     log-probabilities of one."""
-    if not generation.tokens or params.logprobs is not None:
+    context = len(generation.prompt) + len(generation.tokens)
+    if not generation.tokens or generation.cached < context - 1 or params.logprobs is not None:
         return 0
     wanted = settings.speculative if generation.last_kept is None else generation.last_kept + 1
     room = generation.max_tokens - len(generation.tokens) - 1

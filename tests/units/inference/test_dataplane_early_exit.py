@@ -33,17 +33,20 @@ def model(hf_checkpoint):
     return hf_checkpoint("llama", layers=4)
 
 
-async def _answers(model_dir, exits: ExitSettings):
+GREEDY = SamplingParams()
+
+
+async def _answers(model_dir, exits: ExitSettings, params=GREEDY, prompts=PROMPTS):
     result = sharded(model_dir)
     limits = Limits(max_sequences=8, send_timeout_s=5.0)
     async with running_ring(result.manifest, result.directory, limits, stages=STAGES,
                             exits=exits) as peers:
         head = peers[0].answers
-        streamed: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+        streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
         answered = await asyncio.wait_for(asyncio.gather(*(
-            head.generate(Request(list(p), SamplingParams(), NEW_TOKENS, frozenset()),
+            head.generate(Request(list(p), params, NEW_TOKENS, frozenset()),
                           lambda t, i=i: streamed[i].append(t.id))
-            for i, p in enumerate(PROMPTS))), 60)
+            for i, p in enumerate(prompts))), 60)
         for i, answer in enumerate(answered):
             assert answer.tokens == streamed[i]
         return answered
@@ -99,6 +102,29 @@ async def _vanishing(peers: list[Peer], manifest, directory, limits: Limits,
     back = head.add_plane("1.2", manifest, stages, exits=exits)
     await reachable([head, *new])
     return vanish, back
+
+
+async def test_sampled_speculative_answers_at_a_near_zero_temperature_are_greedy(model):
+    """At temperature 1e-4 sampling is the argmax, for the exit's drafts and the full
+    model's tokens alike: speculative sampling gives the full model's greedy answer, the
+    drafts' distributions travelling down the ring with each check."""
+    answered = await _answers(model, ExitSettings(speculative=3, layer=1),
+                              SamplingParams(temperature=1e-4, seed=5))
+    for prompt, answer in zip(PROMPTS, answered, strict=True):
+        assert answer.tokens == reference(model, prompt, NEW_TOKENS)[0]
+        assert answer.exits is not None and answer.exits["drafted"] > 0
+
+
+async def test_a_seeded_sampled_speculative_answer_repeats(model):
+    """The same seed gives the same tokens (the drafts' streams are seeded too), with drafts
+    both kept and replaced on the way."""
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=11)
+    answered = await _answers(model, ExitSettings(speculative=2, layer=2), params,
+                              [PROMPTS[0]] * 2 + [PROMPTS[2]] * 2)
+    assert answered[0].tokens == answered[1].tokens != answered[2].tokens == answered[3].tokens
+    exits = [answer.exits for answer in answered]
+    assert all(e is not None and e["drafted"] > 0 for e in exits)
+    assert 0 < sum(e["accepted"] for e in exits if e) < sum(e["drafted"] for e in exits if e)
 
 
 async def test_standalone_answers_from_the_exit_while_the_later_peers_are_gone(model):
@@ -181,17 +207,24 @@ async def test_a_standalone_answer_pauses_while_its_client_stops_reading(model):
     assert tokens == expected_along(model, 2, prompt, tokens, degraded)
 
 
+EXITING = (ExitSettings(threshold=0.0, layer=2), SamplingParams())
+# sampled at a temperature where sampling is the argmax: the answer is the full model's greedy
+DRAFTING = (ExitSettings(speculative=3, layer=1), SamplingParams(temperature=1e-4, seed=2))
+
+
 @pytest.mark.parametrize("stages_retire", ["after the answer", "at once"])
-async def test_answers_that_exit_move_to_a_new_plan_and_stay_exact(model, stages_retire):
+@pytest.mark.parametrize(("exits", "params"), [EXITING, DRAFTING],
+                         ids=["exits", "speculative sampling"])
+async def test_answers_with_an_exit_move_to_a_new_plan_and_stay_exact(model, stages_retire, exits,
+                                                                    params):
     """A plan change mid-answer. Where the stages behind the exit serve on until the answer
     left, it pauses at a token boundary once they have run every step it exited, its K/V
     moves, and it goes on exiting. Where every peer retires its old plane at once, those
     stages perhaps before the answer's first step reached them, the answer cannot wait for
     those steps' tokens: it re-prefills on the new plan (or moves, where they came). Either
-    way the answer is exact."""
+    way the answer is exact; so is a sampled speculative one, which resumes its streams."""
     result = sharded(model)
     manifest, directory = result.manifest, result.directory
-    exits = ExitSettings(threshold=0.0, layer=2)
     async with running_ring(manifest, directory, Limits(send_timeout_s=5.0), stages=STAGES,
                             exits=exits) as peers:
         a, b, c = peers
@@ -211,13 +244,18 @@ async def test_answers_that_exit_move_to_a_new_plan_and_stay_exact(model, stages
                                 for peer, handover in now)
 
         prompt = PROMPTS[0]
-        request = Request(list(prompt), SamplingParams(), 40, frozenset())
+        request = Request(list(prompt), params, 40, frozenset())
         answer = await asyncio.wait_for(a.answers.generate(request, on_token), 60)
         await asyncio.gather(*retiring, *(peer.planes["1.1"].retire(None, 10)
                                           for peer, _ in later))
-    assert answer.tokens == exit_reference(model, 2, prompt, 40)
     assert answer.resumed == 1
+    assert answer.exits is not None
+    if exits.speculative:
+        assert answer.tokens == reference(model, prompt, 40)[0]
+        assert answer.exits["drafted"] > 0
+    else:
+        assert answer.tokens == exit_reference(model, 2, prompt, 40)
     if later:
         assert answer.kv_moved == 1
-        assert answer.exits is not None
-        assert answer.exits["exited"] == 40 == answer.exits["checked"]
+        if not exits.speculative:
+            assert answer.exits["exited"] == 40 == answer.exits["checked"]

@@ -4,16 +4,20 @@ against transformers.
 - An exit that is never confident enough (θ > 1) changes nothing.
 - An exit that always is (θ = 0) gives, step by step, transformers' argmax of
   `lm_head(norm(hidden_states[N]))` for the tokens so far.
-- Speculative decoding with 1 to 4 drafts gives the full model's greedy answer.
+- Speculative decoding with 1 to 4 drafts gives the full model's greedy answer; sampled
+  answers with drafts follow the full model's distribution (speculative sampling).
 - After exits, the stages behind the exit hold the K/V of a full run of the same tokens.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
-from sharding import _transformers_model, exit_reference, reference, sharded
+from scipy import stats
+from sharding import _transformers_model, exit_reference, logits_along, reference, sharded
 
 from peerd.commands.generate import build_pipeline, generate
 from peerd.errors import PeerdError
@@ -116,7 +120,7 @@ def test_drafts_follow_what_the_checks_kept():
     before the first): an exit that guesses badly drafts one token a check. Sampled answers
     draft too; answers that ask log-probabilities do not."""
     settings, greedy = ExitSettings(speculative=4), GREEDY
-    generation = Generation("s", [1, 2], 20, frozenset(), tokens=[5])
+    generation = Generation("s", [1, 2], 20, frozenset(), tokens=[5], cached=2)
     assert drafts_wanted(settings, generation, greedy) == 4
     generation.verified(0, [7, 8, 9, 10], (7, 3, 9, 10), 11)  # keeps 1 draft, then 3
     assert generation.tokens == [5, 7, 3] and drafts_wanted(settings, generation, greedy) == 2
@@ -128,3 +132,86 @@ def test_drafts_follow_what_the_checks_kept():
     assert drafts_wanted(settings, generation, SamplingParams(logprobs=0)) == 0
     generation.max_tokens = len(generation.tokens) + 1
     assert drafts_wanted(settings, generation, greedy) == 0  # room for the check's own token
+    generation.max_tokens = 20
+    generation.restart("s2")  # a re-prefill: the head's stage has no context to draft from
+    assert drafts_wanted(settings, generation, greedy) == 0
+
+
+SPEC_RUNS = 600  # answers per distribution test, in batches the stages run together
+SPEC_PROMPT = (1, 17, 42, 99, 7)
+SPEC_SAMPLING = {"temperature": 1.0, "top_k": 3}
+
+
+def _top_k_softmax(row: np.ndarray, k: int, temperature: float) -> dict[int, float]:
+    """The sampled distribution of a row of logits, written out here (not shards')."""
+    best = np.argsort(-row)[:k]
+    weights = np.exp((row[best] - row[best].max()) / temperature)
+    return {int(t): float(w) for t, w in zip(best, weights / weights.sum(), strict=True)}
+
+
+def _exact_joint(model_dir) -> dict[tuple[int, ...], float]:
+    """The full model's probability of each first three tokens, sampled with SPEC_SAMPLING,
+    from transformers' logits given the tokens before each."""
+    k, temperature = SPEC_SAMPLING["top_k"], SPEC_SAMPLING["temperature"]
+    start = len(SPEC_PROMPT) - 1
+    joint: dict[tuple[int, ...], float] = {}
+    first = _top_k_softmax(logits_along(model_dir, SPEC_PROMPT)[start], k, temperature)
+    for t1, p1 in first.items():
+        second = _top_k_softmax(logits_along(model_dir, (*SPEC_PROMPT, t1))[start + 1], k,
+                                temperature)
+        for t2, p2 in second.items():
+            rows = logits_along(model_dir, (*SPEC_PROMPT, t1, t2))
+            for t3, p3 in _top_k_softmax(rows[start + 2], k, temperature).items():
+                joint[(t1, t2, t3)] = p1 * p2 * p3
+    return joint
+
+
+def _sampled_answers(model_dir, exits: ExitSettings) -> list[Generation]:
+    """SPEC_RUNS answers of 4 tokens, seeds 0.. , through two stages."""
+    result = sharded(model_dir)
+    pipeline = build_pipeline(result.manifest, result.directory, 2, exits=exits)
+    answers = [Generation(f"seed{seed}", list(SPEC_PROMPT), 4, frozenset())
+               for seed in range(SPEC_RUNS)]
+    for first in range(0, SPEC_RUNS, 200):
+        pipeline.generate([(answer, SamplingParams(**SPEC_SAMPLING, seed=seed))
+                           for seed, answer in enumerate(answers[first : first + 200], first)])
+    return answers
+
+
+def _chi_square_p(answers: list[Generation], joint: dict[tuple[int, ...], float]) -> float:
+    """The chi-square test's p-value of the answers' first three tokens against `joint`,
+    cells expecting fewer than 5 answers pooled; every answer within the joint's support."""
+    counts = Counter(tuple(a.tokens[:3]) for a in answers)
+    assert set(counts) <= set(joint), set(counts) - set(joint)
+    observed, expected, pooled = [], [], [0, 0.0]
+    for cell, probability in joint.items():
+        if probability * len(answers) >= 5:
+            observed.append(counts[cell])
+            expected.append(probability * len(answers))
+        else:
+            pooled[0] += counts[cell]
+            pooled[1] += probability * len(answers)
+    if pooled[1] > 0:
+        observed.append(pooled[0])
+        expected.append(pooled[1])
+    scale = len(answers) / sum(expected)  # the joint sums to 1 up to rounding
+    return float(stats.chisquare(observed, [e * scale for e in expected]).pvalue)
+
+
+@pytest.mark.parametrize("drafts", [0, 2])
+def test_sampled_speculative_answers_follow_the_full_models_distribution(hf_checkpoint,
+                                                                         drafts):
+    """Speculative sampling: over 600 seeds, the first three tokens of a sampled answer
+    (the 2nd and 3rd drafted by the exit and checked together) are distributed as the full
+    model samples them, from transformers' logits, as without drafts (0: the control). A
+    p-value below 0.001 fails; the seeds are fixed, so the outcome is too. The exit is
+    random-weighted, so drafts are both kept and replaced."""
+    model_dir = hf_checkpoint("llama", layers=2)
+    answers = _sampled_answers(model_dir, ExitSettings(speculative=drafts, layer=1)
+                               if drafts else ExitSettings())
+    assert _chi_square_p(answers, _exact_joint(model_dir)) > 1e-3
+    if drafts:
+        drafted = sum(a.drafted for a in answers)
+        accepted = sum(a.accepted for a in answers)
+        assert sum(a.checks for a in answers) >= SPEC_RUNS  # the 2nd token is always checked
+        assert 0 < accepted < drafted

@@ -70,6 +70,17 @@ def test_seeded_sampling_from_the_cli_repeats_at_any_split(hf_checkpoint):
     assert runs[0] == runs[1] == runs[2]
 
 
+def test_sampled_speculative_decoding_from_the_cli_repeats(hf_checkpoint):
+    """--speculative with a temperature: the exit drafts, and a seed gives the same answer."""
+    model_dir = hf_checkpoint("llama")
+    sharded(model_dir)
+    args = ("--prompt-ids", "5,6,7", "--temperature", "0.9", "--seed", "4", "--max-tokens",
+            "24", "--parts", "2", "--speculative", "2")
+    runs = [_generate_json(model_dir, *args) for _ in range(2)]
+    assert runs[0]["token_ids"] == runs[1]["token_ids"]
+    assert len(runs[0]["token_ids"]) > 1 and runs[0]["stats"]["exit"]["drafted"] > 0
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

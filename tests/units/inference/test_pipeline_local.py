@@ -7,9 +7,9 @@ from toy_units import ToyModel
 from peerd.inference.local_pipeline import LocalPipeline
 from peerd.inference.pipeline import Generation, StageWorker
 from peerd.inference.routing import routes
-from peerd.wire.protocol import StageData
+from peerd.wire.protocol import StageData, draft_probs
 from shards.executor import StageExecutor
-from shards.sampling import SamplingParams
+from shards.sampling import Distribution, SamplingParams
 
 SPLITS = {1: [(0, 2)], 2: [(0, 0), (1, 2)], 3: [(0, 0), (1, 1), (2, 2)]}
 
@@ -91,12 +91,18 @@ def test_float16_wire_halves_activation_bytes_and_keeps_the_greedy_answer(toy):
 
 
 def test_a_message_from_an_unexpected_stage_or_with_wrong_tensors_is_refused(toy):
+    """Also drafts a stage's vocabulary does not hold."""
     pipeline = _pipeline(toy, 3)
     last = pipeline.workers[2]
     with pytest.raises(ValueError, match="expects nothing from stage 2"):
         last.accept(2, StageData("local", "s", 0, {}))
     with pytest.raises(ValueError, match="sent"):
         last.accept(1, StageData("local", "s", 0, {"bias": np.zeros((1, 1, 1), np.float32)}))
+    vocab = toy[1].model.vocab_size
+    beyond = draft_probs([vocab], [Distribution(np.int32([vocab]), np.float32([1.0]))])
+    with pytest.raises(ValueError, match=f"beyond the vocabulary \\({vocab} tokens\\)"):
+        last.accept(1, StageData("local", "s", 0, {"hidden1": np.zeros((1, 2, 4), np.float32)},
+                                 rows=2, draft_probs=beyond))
 
 
 def test_a_restarted_generation_re_prefills_and_continues_exactly(toy):

@@ -6,6 +6,7 @@ import pytest
 
 from peerd.wire import protocol
 from peerd.wire.protocol import ProtocolError, StageData
+from shards.sampling import Distribution
 
 
 def _stage() -> StageData:
@@ -128,3 +129,48 @@ def test_token_logprobs_out_of_shape_are_refused(fields, reason):
 def test_a_sequence_open_asking_for_more_than_20_logprobs_is_refused():
     with pytest.raises(ProtocolError, match="logprobs outside 0..20"):
         protocol.SequenceOpen(0, "1.1", "s", 0.5, 0, 1.0, 0, 0, logprobs=21)
+
+
+def _drafts(**changes) -> dict[str, np.ndarray]:
+    """StageData.draft_probs of two drafts (tokens 3 and 9), with `changes` to its arrays."""
+    q = [Distribution(np.array([3, 5], np.int32), np.array([0.75, 0.25], np.float32)),
+         Distribution(np.array([9, 1, 2], np.int32), np.array([0.5, 0.3, 0.2], np.float32))]
+    return {**protocol.draft_probs([3, 9], q), **changes}
+
+
+def _stage_carrying(draft_probs: dict[str, np.ndarray], rows: int = 3) -> list[bytes]:
+    """The frames of a check of `rows` rows carrying these draft probabilities, unchecked."""
+    frames = [bytes(f) for f in protocol.encode(StageData("1.1", "s", 2, {}, rows=rows))]
+    specs = [[name, a.dtype.name, list(a.shape)] for name, a in draft_probs.items()]
+    return [*_with_header(frames, draft_probs=specs),
+            *(np.ascontiguousarray(a).tobytes() for a in draft_probs.values())]
+
+
+def test_a_sampled_check_carries_its_drafts_distributions():
+    msg = StageData("1.1", "s", 2, _stage().tensors, rows=3, draft_probs=_drafts())
+    back = protocol.decode(protocol.encode(msg))
+    np.testing.assert_array_equal(back.tensors["hidden"], msg.tensors["hidden"])
+    tokens, proposals = protocol.read_draft_probs(back.draft_probs)
+    assert tokens == [3, 9]
+    assert [q.ids.tolist() for q in proposals] == [[3, 5], [9, 1, 2]]
+    np.testing.assert_array_equal(proposals[1].probs, np.float32([0.5, 0.3, 0.2]))
+    assert protocol.decode(_stage_carrying(_drafts())).draft_probs.keys() == _drafts().keys()
+
+
+@pytest.mark.parametrize("draft_probs, rows, reason", [
+    (_drafts(probs=np.float32([0.75, np.nan, 0.5, 0.3, 0.2])), 3, "not all finite and >= 0"),
+    (_drafts(probs=np.float32([0.75, -0.25, 0.5, 0.3, 0.2])), 3, "not all finite and >= 0"),
+    (_drafts(sizes=np.int32([2, 2])), 3, "do not add up"),
+    (_drafts(sizes=np.int32([0, 5])), 3, "do not add up"),
+    (_drafts(), 2, "for 2 drafts in a step of 1"),
+    (_drafts(ids=np.int32([3, -5, 9, 1, 2])), 3, "negative draft token id"),
+    (_drafts(tokens=np.int32([5, 9]), probs=np.float32([0.75, 0, 0.5, 0.3, 0.2])), 3,
+     "gives no probability"),
+    (_drafts(tokens=np.int32([4, 9])), 3, "gives no probability"),
+    (_drafts(ids=np.int64([3, 5, 9, 1, 2])), 3, "1-D, int32 but probs float32"),
+    ({"tokens": np.int32([3])}, 2, "draft_probs holds"),
+])
+def test_malformed_draft_probabilities_are_refused_in_one_line(draft_probs, rows, reason):
+    with pytest.raises(ProtocolError, match=reason) as refused:
+        protocol.decode(_stage_carrying(draft_probs, rows))
+    assert "\n" not in str(refused.value)
