@@ -5,8 +5,10 @@ stage, uses them). With `--speculative N`, N from 1 to 4, a chat's answer is exa
 transformers' greedy answer; with `--early-exit 0` every token comes from the exit after
 layer 1, each equal to transformers' argmax of lm_head(norm(hidden_states[1])) for the
 tokens before it, and the stages behind the exit still ran every step (with `--standalone`
-too, which changes nothing while the cluster serves: no token is degraded). `peerd status
---json` shows the head's exit.
+too, which changes nothing while the cluster serves: no token is degraded). With
+`--speculative 4` a sampled answer drafts too (speculative sampling; at temperature 1e-4,
+where sampling is the argmax, it is the greedy answer). `peerd status --json` shows the
+head's exit.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ PROMPT = (1, 17, 42, 99, 7, 250, 3, 64)
 FLAGS = {**{f"speculative-{n}": ("--speculative", str(n), "--exit-layer", "1")
             for n in range(1, 5)},
          "exit": ("--early-exit", "0", "--exit-layer", "1", "--standalone")}
+SAMPLED_ON = "speculative-4"  # the cluster that answers a sampled request too
 
 
 @pytest.fixture(scope="module", params=sorted(FLAGS))
@@ -37,10 +40,10 @@ def cluster(request, hf_checkpoint, tmp_path_factory):
         yield request.param, model_dir, peers
 
 
-def _chat(peer: netns.Peer) -> dict:
+def _chat(peer: netns.Peer, *sampling: str) -> dict:
     done = subprocess.run(
         [*netns.PEERD, "chat", "--state-dir", str(peer.state_dir), "--prompt-ids",
-         ",".join(map(str, PROMPT)), "--max-tokens", str(NEW_TOKENS), "--json"],
+         ",".join(map(str, PROMPT)), "--max-tokens", str(NEW_TOKENS), "--json", *sampling],
         capture_output=True, text=True, timeout=ANSWER_S)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
@@ -61,6 +64,10 @@ def test_answers_with_the_exit_are_exact_on_every_peer(cluster):
             assert [stage["steps"] for stage in answer["stats"]["stages"]][1:] == [
                 NEW_TOKENS] * (len(answer["stats"]["stages"]) - 1)
         assert answer["degraded"] is False
+    if mode == SAMPLED_ON:
+        sampled = _chat(peers[0], "--temperature", "0.0001", "--seed", "3")
+        assert sampled["token_ids"] == reference(model_dir, PROMPT, NEW_TOKENS)[0]
+        assert sampled["stats"]["exit"]["drafted"] > 0
 
 
 def test_status_shows_the_heads_exit(cluster):
