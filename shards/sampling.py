@@ -80,9 +80,8 @@ class Sampler:
         last row as usual. Each token the check gives costs one draw of the stream, as a
         sampled token does: an answer resumed with `skip` = its tokens goes on with fresh
         draws."""
-        processed = [self._processed(row) for row in rows[: len(drafts)]]
         for index, (draft, q) in enumerate(zip(drafts, proposals, strict=True)):
-            p = processed[index]
+            p = self._processed(rows[index])
             token = speculative_token(p, q.dense(p.size), draft, self._rng.random())
             if token != draft:
                 return (*drafts[:index], *[token] * (len(drafts) - index)), token

@@ -71,12 +71,14 @@ def fields(cls: type, overrides: dict[str, st.SearchStrategy] | None = None) -> 
     return st.fixed_dictionaries({
         f.name: overrides[f.name] if f.name in overrides else hinted(hints[f.name])
         for f in dataclasses.fields(cls)
-        if f.name != "tensors"
+        if f.name not in tensor_fields(cls)
     })
 
 
-def carries_tensors(cls: type) -> bool:
-    return "tensors" in typing.get_type_hints(cls)
+def tensor_fields(cls: type) -> list[str]:
+    """The fields of `cls` that carry tensors (as frames)."""
+    return [name for name, hint in typing.get_type_hints(cls).items()
+            if hint == protocol.Tensors]
 
 
 def frames(kind: str, values: dict[str, Any], tensors: dict[str, np.ndarray] | None = None,

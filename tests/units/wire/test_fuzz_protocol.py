@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from wire_strategies import KINDS, carries_tensors, fields, integers, msgpack_values, sample
+from wire_strategies import KINDS, fields, integers, msgpack_values, sample, tensor_fields
 
 from peerd.wire import protocol
 from peerd.wire.protocol import MAX_HEADER_BYTES, MAX_MESSAGE_BYTES, ProtocolError
+from shards.sampling import Distribution
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 dimensions = st.integers(0, 6) | st.sampled_from([2**31, 2**40, 2**62, 2**64 - 1, -1])
@@ -60,8 +61,9 @@ def kind_shaped(draw) -> list[bytes]:
     cls = draw(st.sampled_from(sorted(KINDS.values(), key=lambda c: c.KIND)))
     header: dict[Any, Any] = {"v": protocol.PROTOCOL_VERSION, "kind": cls.KIND, **draw(fields(cls))}
     frames: list[bytes] = []
-    if carries_tensors(cls):
-        header["tensors"], frames = draw(tensor_parts())
+    for name in tensor_fields(cls):
+        header[name], more = draw(tensor_parts())
+        frames.extend(more)
     for field in draw(st.lists(st.sampled_from(sorted(header)), max_size=2)):
         header.pop(field, None)
     header.update(draw(st.dictionaries(st.sampled_from(["v", "kind", "extra", "req", "epoch"]),
@@ -89,7 +91,10 @@ def cut_short(draw) -> list[bytes]:
     return frames
 
 
-VALID = [sample(cls) for cls in KINDS.values()]
+# every kind, and a sampled check carrying its drafts' distributions
+VALID = [*(sample(cls) for cls in KINDS.values()),
+         dataclasses.replace(sample(protocol.StageData), rows=2, draft_probs=protocol.draft_probs(
+             [4], [Distribution(np.int32([4, 7]), np.float32([0.5, 0.5]))]))]
 
 
 def _header(cls: type) -> dict:
