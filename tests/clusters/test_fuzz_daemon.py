@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from netns import wait_for
 from sharding import reference, seed_shard_cache
 from streaming import only_kept
-from wire_strategies import KINDS, carries_tensors, fields, hex_digests, msgpack_values
+from wire_strategies import KINDS, fields, hex_digests, msgpack_values, tensor_fields
 from wire_strategies import frames as wire_frames
 
 from peerd.commands.chat import stream_answer
@@ -246,7 +246,7 @@ def hostile(draw, setting: Setting) -> tuple[int, int, str, list[bytes]]:
     target, sender = draw(_pair(setting))
     values = draw(fields(cls, _overrides(setting, cls.KIND)))
     tensors = None
-    if carries_tensors(cls):
+    if "tensors" in tensor_fields(cls):
         stage = setting.stage_of[setting.peers[target].id]
         source = setting.stage_of[setting.peers[sender].id]
         names = setting.expects[stage].get(source) or ("data", "payload")
