@@ -26,6 +26,7 @@ from peerd.wire.protocol import StageData, draft_probs, read_draft_probs
 from shards import heap
 from shards.early_exit import EXIT_HIDDEN, ExitSettings, confidence
 from shards.executor import Outcome, StageExecutor
+from shards.manifest import Manifest
 from shards.sampling import (
     Distribution,
     Ranked,
@@ -87,6 +88,9 @@ W = TypeVar("W")
 class StageRunner(Protocol):
     """What a StageWorker needs of what runs its units: a StageExecutor, or a stage run as
     tensor-parallel shares (peerd.inference.shares.ShareStage)."""
+
+    @property
+    def manifest(self) -> Manifest: ...
 
     @property
     def inputs(self) -> Iterable[str]: ...
