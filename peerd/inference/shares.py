@@ -1,12 +1,12 @@
-"""A stage run as N tensor-parallel shares in one process, every exchange through the codec.
+"""A stage run as N tensor-parallel shares: one schedule per share, two ways to exchange.
 
-`ShareStage` runs units [first, last] of a manifest the way a group of N peers would serve
-them (docs/architecture.md, "Tensor-parallel shares"), with the interface `StageWorker`
-needs of a stage (`step_many`, `drop`, `length`, ...). Each `_Share` has its own ONNX
-Runtime sessions (its attention and MLP share units from shards.share_units, and the
-model's own embedding and head units where the stage has them) and its own heads' K/V per
-sequence. A step's rows (positions) are split among the shares by their weights
-(shards.share_split.split_rows); for every layer half:
+`ShareRunner` is one share of units [first, last] of a manifest (docs/architecture.md,
+"Tensor-parallel shares"): its own ONNX Runtime sessions (its attention and MLP share units
+from shards.share_units, and the model's own embedding and head units where the stage has
+them) and its own heads' K/V per sequence. `ShareRunner.schedule` is its part of one step,
+a generator that yields an `Exchange` (the `ShareData` it sends, the senders it waits for)
+and is sent back the messages it waited for. A step's rows (positions) are split among the
+shares by their weights (shards.share_split.split_rows); for every layer half:
 
     each share: norm its rows (numpy)           -> AllGather: every share has all normed rows
     each share: its attention / MLP share unit  -> ReduceScatter: each share sums the
@@ -17,16 +17,21 @@ gives the per-step tensors (rotary cos/sin, mask) every attention share reads fo
 so running it whole spares a collective. The head unit (final norm, LM head) runs on each
 share's rows. The stage's output (the last hidden state or the logits) is gathered on share
 0, which answers for the stage. A one-row decode step has one share do the connective part
-(the one with the largest weight, share 0 among equals) and the others get no rows.
+(the one with the largest weight, share 0 among equals) and the others get no rows; a share
+sends nothing where the receiver gets no rows, and waits for no share that has none.
 
-Every tensor one share hands another is a `ShareData` encoded and decoded by
-peerd.wire.protocol, so the messages are those a group of peers would send each other over
-the data channel. Steps of several sequences run one after another (no batching).
+Two drivers run the schedule:
+- `ShareStage`, in one process: all N schedules in lockstep, every message encoded and
+  decoded by peerd.wire.protocol (`peerd generate --tensor-parallel N`, the exactness tests);
+- `drive`, on a daemon: this peer's one schedule, its messages sent over the data channel
+  and the peers' awaited (peerd.inference.groups).
+Steps of several sequences run one after another (no batching).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,46 +46,31 @@ from shards.share_split import ShareError, Span, split_rows
 
 ROWS_AXIS = 1  # [batch, rows, width]
 EMBED, HEAD = "embed", "head"
+Tensors = dict[str, np.ndarray]
 
 
-class _Share:
-    """One share: its sessions and its heads' K/V per sequence."""
+@dataclass(frozen=True)
+class Exchange:
+    """One collective round as one share sees it: the messages it sends (to share index),
+    and the shares whose message of this round it waits for."""
 
-    def __init__(self, index: int, stage: ShareStage, units: ShareUnits,
-                 directory: Path, options: ExecutorOptions) -> None:
-        self.index = index
-        shelf = SessionShelf()  # its own sessions, as on a peer of its own
-        self.model_units = {
-            unit.name: shelf.session(stage.manifest, unit, directory / unit.model_file.name,
-                                     options)
-            for unit in stage.units if unit.name in (EMBED, HEAD)}
-        so = session_options(options.threads, options.spinning)  # the process's pool, if any
-        self.blocks = {
-            (layer, half): ort.InferenceSession(
-                str(units.unit(layer, half, index).path), so, providers=list(options.providers))
-            for layer, half in stage.blocks}
-        share = units.shares[index]
-        self.kv_heads = share.kv_heads.size
-        self.kv: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+    sends: tuple[tuple[int, ShareData], ...]
+    expects: tuple[int, ...]
 
-    def past(self, seq_id: str, layer: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
-        empty = np.zeros((1, self.kv_heads, 0, head_dim), np.float32)
-        return self.kv.get(seq_id, {}).get(layer, (empty, empty))
 
-    def run_unit(self, name: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        session = self.model_units[name]
-        names = [o.name for o in session.get_outputs()]
-        return {name: np.asarray(value)
-                for name, value in zip(names, session.run(names, feeds), strict=True)}
+# Yields each exchange, is sent the messages waited for (by sender), returns the stage's
+# outputs on share 0 (None on the others).
+Schedule = Generator[Exchange, dict[int, ShareData], Tensors | None]
 
 
 class _StepState:
     """What one share holds during a step: values whole (the stage's inputs, the per-step
     tensors) and its rows of the residual stream, named `rows_name`."""
 
-    def __init__(self, whole: dict[str, np.ndarray], span: Span) -> None:
+    def __init__(self, whole: Tensors, spans: tuple[Span, ...], index: int) -> None:
         self.whole = dict(whole)
-        self.span = span
+        self.spans = spans
+        self.span = spans[index]
         self.rows: np.ndarray | None = None
         self.rows_name = ""
 
@@ -88,29 +78,228 @@ class _StepState:
         self.rows = np.ascontiguousarray(self.whole[name][:, self.span.start : self.span.stop])
         self.rows_name = name
 
+    @property
+    def current(self) -> np.ndarray:
+        assert self.rows is not None  # set by the unit that started the stage's rows
+        return self.rows
+
+
+class ShareRunner:
+    """Share `index` of units [first, last] of `manifest`: its sessions, its K/V, its part of
+    each step (`schedule`). `units` needs this share's units only."""
+
+    def __init__(self, manifest: Manifest, directory: Path, first: int, last: int,
+                 units: ShareUnits, index: int, options: ExecutorOptions | None = None,
+                 plan: str = "local") -> None:
+        self.manifest, self.first, self.last, self.plan = manifest, first, last, plan
+        self.index = index
+        self.units: tuple[Unit, ...] = manifest.units[first : last + 1]
+        self.inputs = manifest.stage_inputs(first, last)
+        self.outputs = manifest.stage_outputs(first, last)
+        self.share_units = units
+        self.head_dim = _head_dim(self.units)
+        self.exit = None  # no early exit on shares (yet)
+        options = options or ExecutorOptions()
+        shelf = SessionShelf()  # its own sessions, as on a peer of its own
+        self.model_units = {
+            unit.name: shelf.session(manifest, unit, Path(directory) / unit.model_file.name,
+                                     options)
+            for unit in self.units if unit.name in (EMBED, HEAD)}
+        so = session_options(options.threads, options.spinning)  # the process's pool, if any
+        self.blocks = {
+            _block(unit): ort.InferenceSession(
+                str(units.unit(*_block(unit), index).path), so,
+                providers=list(options.providers))
+            for unit in self.units if unit.name not in (EMBED, HEAD)}
+        self.kv_heads = units.shares[index].kv_heads.size
+        self.kv: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def holds_state(self) -> bool:
+        return any(half == ATTN for _, half in self.blocks)
+
+    def length(self, seq_id: str) -> int:
+        held = self.kv.get(seq_id)
+        return int(next(iter(held.values()))[0].shape[2]) if held else 0
+
+    def truncate(self, seq_id: str, length: int) -> None:
+        """Keep the first `length` positions of the sequence's K/V."""
+        held = self.kv.get(seq_id, {})
+        for layer, (key, value) in held.items():
+            held[layer] = (key[:, :, :length], value[:, :, :length])
+
+    def drop(self, seq_id: str) -> None:
+        self.kv.pop(seq_id, None)
+
+    @property
+    def sequence_count(self) -> int:
+        return len(self.kv)
+
+    def kv_bytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for held in self.kv.values() for k, v in held.values())
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self, seq_id: str, step: int, inputs: Tensors) -> Schedule:
+        """This share's part of the step (see the module's docstring)."""
+        missing = [name for name in self.inputs if name not in inputs]
+        if missing:
+            raise ValueError(f"stage {self.first}-{self.last}: missing inputs {missing}")
+        state = _StepState(inputs, split_rows(_row_count(inputs), self.share_units.weights),
+                           self.index)
+        for unit in self.units:
+            if unit.name == EMBED:
+                state.whole.update(self._run_unit(EMBED, {i.name: state.whole[i.name]
+                                                          for i in unit.inputs}))
+                state.take_rows(next(o.name for o in unit.outputs if o.name.endswith(HIDDEN)))
+                continue
+            if state.rows is None:  # the stage starts here: its input arrived whole
+                state.take_rows(_hidden_input(unit))
+            if unit.name == HEAD:
+                self._head(unit, state)
+            else:
+                yield from self._layer_half(unit, seq_id, step, state)
+        return (yield from self._outputs(seq_id, step, state))
+
+    def _run_unit(self, name: str, feeds: Tensors) -> Tensors:
+        session = self.model_units[name]
+        names = [o.name for o in session.get_outputs()]
+        return {name: np.asarray(value)
+                for name, value in zip(names, session.run(names, feeds), strict=True)}
+
+    def _head(self, unit: Unit, state: _StepState) -> None:
+        name = unit.outputs[0].name
+        if state.span.size:
+            state.rows = self._run_unit(HEAD, {unit.inputs[0].name: state.current})[name]
+        else:
+            state.rows = np.zeros((state.current.shape[0], 0, self.manifest.model.vocab_size),
+                                  np.float32)
+        state.rows_name = name
+
+    def _layer_half(self, unit: Unit, seq_id: str, step: int, state: _StepState):
+        layer, half = _block(unit)
+        normed = self.share_units.norms[(layer, half)](state.current)
+        message = self._message(seq_id, step, unit.index, SharePhase.GATHER)
+        everyone = yield from self._all_gather(message, state, normed)
+        partial = self._branch(unit, seq_id, state, everyone)
+        added = yield from self._reduce_scatter(message, state, partial)
+        residual = normed if self.share_units.residual_post_norm else state.current
+        state.rows = residual + added
+        state.rows_name = unit.outputs[0].name
+
+    def _branch(self, unit: Unit, seq_id: str, state: _StepState,
+                normed: np.ndarray) -> np.ndarray:
+        """The share's partial block output over all rows (and its new K/V, kept)."""
+        layer, half = _block(unit)
+        feeds = {NORMED: normed}
+        if half == ATTN:
+            feeds |= {name: state.whole[name] for name in step_inputs(unit)}
+            feeds |= dict(zip(PAST, self._past(seq_id, layer), strict=True))
+        partial, *present = map(np.asarray, self.blocks[(layer, half)].run(None, feeds))
+        if present:
+            self.kv.setdefault(seq_id, {})[layer] = (present[0], present[1])
+        return partial
+
+    def _past(self, seq_id: str, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        empty = np.zeros((1, self.kv_heads, 0, self.head_dim), np.float32)
+        return self.kv.get(seq_id, {}).get(layer, (empty, empty))
+
+    # -- collectives ---------------------------------------------------------------------------
+    def _message(self, seq_id: str, step: int, unit: int, phase: SharePhase) -> _Messages:
+        return _Messages(self.plan, seq_id, step, unit, phase, self.index)
+
+    def _all_gather(self, message: _Messages, state: _StepState, mine: np.ndarray):
+        """Every share's rows, in row order: mine to each other share, theirs to me."""
+        others = [i for i in range(len(state.spans)) if i != self.index]
+        sends = tuple((to, message.of(state.span, mine)) for to in others if state.span.size)
+        got = yield Exchange(sends, tuple(i for i in others if state.spans[i].size))
+        pieces = [mine if i == self.index else _rows(got[i]) for i in range(len(state.spans))
+                  if state.spans[i].size or i == self.index]
+        return np.concatenate(pieces, axis=ROWS_AXIS)
+
+    def _reduce_scatter(self, message: _Messages, state: _StepState, partial: np.ndarray):
+        """The sum of every share's partial at my rows, in share order."""
+        reduce = message.phase_of(SharePhase.REDUCE)
+        others = [i for i in range(len(state.spans)) if i != self.index]
+        sends = tuple((to, reduce.of(state.spans[to], partial[:, state.spans[to].start :
+                                                                state.spans[to].stop]))
+                      for to in others if state.spans[to].size)
+        got = yield Exchange(sends, tuple(others) if state.span.size else ())
+        mine = partial[:, state.span.start : state.span.stop]
+        if not state.span.size:
+            return mine
+        total = mine if self.index == 0 else _rows(got[0])
+        for i in range(1, len(state.spans)):
+            total = total + (mine if i == self.index else _rows(got[i]))
+        return total
+
+    def _outputs(self, seq_id: str, step: int, state: _StepState):
+        """The stage's outputs, answered by share 0: its row output gathered from every
+        share (that has rows), the rest from what it holds whole."""
+        message = self._message(seq_id, step, self.last, SharePhase.OUTPUT)
+        shares = range(len(state.spans))
+        if self.index != 0:
+            sends = ((0, message.of(state.span, state.current)),) if state.span.size else ()
+            yield Exchange(sends, ())
+            return None
+        got = yield Exchange((), tuple(i for i in shares if i and state.spans[i].size))
+        outputs = {}
+        for name in self.outputs:
+            if name != state.rows_name:
+                outputs[name] = state.whole[name]
+                continue
+            outputs[name] = np.concatenate(
+                [state.current, *(_rows(got[i]) for i in shares if i and state.spans[i].size)],
+                axis=ROWS_AXIS)
+        return outputs
+
+
+@dataclass(frozen=True)
+class _Messages:
+    """The tag every message of one exchange carries."""
+
+    plan: str
+    seq_id: str
+    step: int
+    unit: int
+    phase: SharePhase
+    share: int
+
+    def phase_of(self, phase: SharePhase) -> _Messages:
+        return _Messages(self.plan, self.seq_id, self.step, self.unit, phase, self.share)
+
+    def of(self, span: Span, rows: np.ndarray) -> ShareData:
+        return ShareData(self.plan, self.seq_id, self.step, self.unit, self.phase, self.share,
+                         span.start, span.stop, {"rows": np.ascontiguousarray(rows)})
+
+
+def drive(schedule: Schedule, exchange: Callable[[Exchange], dict[int, ShareData]]
+          ) -> Tensors | None:
+    """Run one share's schedule, `exchange` sending each round's messages and returning
+    those it waits for."""
+    try:
+        round_ = next(schedule)
+        while True:
+            round_ = schedule.send(exchange(round_))
+    except StopIteration as done:
+        return done.value
+
 
 class ShareStage:
-    """Units [first, last] of `manifest` run as len(units.shares) shares."""
+    """Units [first, last] of `manifest` run as len(units.shares) shares in one process."""
 
     def __init__(self, manifest: Manifest, directory: Path, first: int, last: int,
                  units: ShareUnits, options: ExecutorOptions | None = None,
                  plan: str = "local") -> None:
-        self.manifest, self.first, self.last, self.plan = manifest, first, last, plan
-        self.units: tuple[Unit, ...] = manifest.units[first : last + 1]
-        self.inputs = manifest.stage_inputs(first, last)
-        self.outputs = manifest.stage_outputs(first, last)
-        self.blocks = [_block(unit) for unit in self.units if unit.name not in (EMBED, HEAD)]
-        self.share_units = units
-        self.head_dim = _head_dim(self.units)
-        options = options or ExecutorOptions()
-        self.shares = [_Share(i, self, units, Path(directory), options)
+        self.first, self.last = first, last
+        self.shares = [ShareRunner(manifest, directory, first, last, units, i, options, plan)
                        for i in range(len(units.shares))]
-        self.exit = None  # no early exit on shares (yet)
+        self.inputs = self.shares[0].inputs
+        self.exit = None
         self.wire_bytes = 0
         self._steps: dict[str, int] = {}
 
-    # -- the interface StageWorker runs ---------------------------------------------------
-    def step_many(self, steps: Sequence[tuple[str, dict[str, np.ndarray]]],
+    def step_many(self, steps: Sequence[tuple[str, Tensors]],
                   unit_s: dict[int, float] | None = None) -> list[Outcome]:
         """Each step in turn: its outputs, or the exception it raised."""
         outcomes: list[Outcome] = []
@@ -121,154 +310,56 @@ class ShareStage:
                 outcomes.append(exc)
         return outcomes
 
-    def step(self, seq_id: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        missing = [name for name in self.inputs if name not in inputs]
-        if missing:
-            raise ValueError(f"stage {self.first}-{self.last}: missing inputs {missing}")
+    def step(self, seq_id: str, inputs: Tensors) -> Tensors:
+        """Every share's schedule in lockstep, each round's messages through the codec."""
         step = self._steps.get(seq_id, 0)
-        spans = split_rows(_row_count(inputs), self.share_units.weights)
-        states = [_StepState(inputs, span) for span in spans]
-        for unit in self.units:
-            self._run_unit(unit, seq_id, step, states)
         self._steps[seq_id] = step + 1
-        return self._outputs(seq_id, step, states)
+        schedules = [share.schedule(seq_id, step, inputs) for share in self.shares]
+        rounds = [next(s) for s in schedules]
+        while True:
+            inboxes: list[dict[int, ShareData]] = [{} for _ in schedules]
+            for sender, round_ in enumerate(rounds):
+                for receiver, message in round_.sends:
+                    inboxes[receiver][sender] = self._carry(message)
+            try:
+                rounds = [s.send(inbox) for s, inbox in zip(schedules, inboxes, strict=True)]
+            except StopIteration as done:  # share 0 ends first, its outputs gathered
+                for other in schedules[1:]:
+                    other.close()
+                outputs = done.value
+                assert outputs is not None  # share 0 answers for the stage
+                return outputs
 
-    def drop(self, seq_id: str) -> None:
-        self._steps.pop(seq_id, None)
-        for share in self.shares:
-            share.kv.pop(seq_id, None)
-
-    @property
-    def holds_state(self) -> bool:
-        return any(half == ATTN for _, half in self.blocks)
-
-    def length(self, seq_id: str) -> int:
-        held = self.shares[0].kv.get(seq_id)
-        return int(next(iter(held.values()))[0].shape[2]) if held else 0
-
-    def truncate(self, seq_id: str, length: int) -> None:
-        """Keep the first `length` positions of every share's K/V of the sequence."""
-        for share in self.shares:
-            held = share.kv.get(seq_id, {})
-            for layer, (key, value) in held.items():
-                held[layer] = (key[:, :, :length], value[:, :, :length])
-
-    @property
-    def sequence_count(self) -> int:
-        return len(self.shares[0].kv)
-
-    # -- one unit, all shares ---------------------------------------------------------------
-    def _run_unit(self, unit: Unit, seq_id: str, step: int, states: list[_StepState]) -> None:
-        if unit.name == EMBED:
-            for share, state in zip(self.shares, states, strict=True):
-                state.whole.update(share.run_unit(EMBED, {i.name: state.whole[i.name]
-                                                          for i in unit.inputs}))
-                state.take_rows(next(o.name for o in unit.outputs if o.name.endswith(HIDDEN)))
-            return
-        for state in states:
-            if state.rows is None:  # the stage starts here: its input arrived whole
-                state.take_rows(_hidden_input(unit))
-        if unit.name == HEAD:
-            self._head(unit, states)
-        else:
-            self._block(unit, seq_id, step, states)
-
-    def _head(self, unit: Unit, states: list[_StepState]) -> None:
-        for share, state in zip(self.shares, states, strict=True):
-            assert state.rows is not None
-            name = unit.outputs[0].name
-            if state.span.size:
-                state.rows = share.run_unit(HEAD, {unit.inputs[0].name: state.rows})[name]
-            else:
-                state.rows = np.zeros((state.rows.shape[0], 0, self.manifest.model.vocab_size),
-                                      np.float32)
-            state.rows_name = name
-
-    def _block(self, unit: Unit, seq_id: str, step: int, states: list[_StepState]) -> None:
-        layer, half = _block(unit)
-        units = self.share_units
-        norm = units.norms[(layer, half)]
-        normed = [norm(_rows(state)) for state in states]
-        spans = [state.span for state in states]
-        everyone = self._all_gather(unit.index, seq_id, step, normed, spans)
-        partials = [self._branch(share, state, unit, seq_id, everyone[share.index])
-                    for share, state in zip(self.shares, states, strict=True)]
-        sums = self._reduce_scatter(unit.index, seq_id, step, partials, spans)
-        for state, mine, added in zip(states, normed, sums, strict=True):
-            residual = mine if units.residual_post_norm else _rows(state)
-            state.rows = residual + added
-            state.rows_name = unit.outputs[0].name
-
-    def _branch(self, share: _Share, state: _StepState, unit: Unit, seq_id: str,
-                normed: np.ndarray) -> np.ndarray:
-        """The share's partial block output over all rows (and its new K/V, kept)."""
-        layer, half = _block(unit)
-        feeds = {NORMED: normed}
-        if half == ATTN:
-            feeds |= {name: state.whole[name] for name in step_inputs(unit)}
-            feeds |= dict(zip(PAST, share.past(seq_id, layer, self.head_dim), strict=True))
-        partial, *present = map(np.asarray, share.blocks[(layer, half)].run(None, feeds))
-        if present:
-            share.kv.setdefault(seq_id, {})[layer] = (present[0], present[1])
-        return partial
-
-    # -- collectives, through the codec -----------------------------------------------------
-    def _carry(self, message: ShareData) -> np.ndarray:
+    def _carry(self, message: ShareData) -> ShareData:
         frames = [bytes(f) for f in protocol.encode(message)]
         self.wire_bytes += sum(len(f) for f in frames)
         received = protocol.decode(frames)
         assert isinstance(received, ShareData)  # decode gives back what was encoded
-        return received.tensors["rows"]
+        return received
 
-    def _message(self, seq_id: str, step: int, unit: int, phase: SharePhase, sender: int,
-                 span: Span, rows: np.ndarray) -> ShareData:
-        return ShareData(self.plan, seq_id, step, unit, phase, sender, span.start, span.stop,
-                         {"rows": np.ascontiguousarray(rows)})
+    def drop(self, seq_id: str) -> None:
+        self._steps.pop(seq_id, None)
+        for share in self.shares:
+            share.drop(seq_id)
 
-    def _all_gather(self, unit: int, seq_id: str, step: int, pieces: list[np.ndarray],
-                    spans: list[Span]) -> list[np.ndarray]:
-        """Each share's copy of every share's rows, in row order."""
-        return [np.concatenate([
-            piece if sender == receiver else self._carry(self._message(
-                seq_id, step, unit, SharePhase.GATHER, sender, spans[sender], piece))
-            for sender, piece in enumerate(pieces)], axis=ROWS_AXIS)
-            for receiver in range(len(pieces))]
+    @property
+    def holds_state(self) -> bool:
+        return self.shares[0].holds_state
 
-    def _reduce_scatter(self, unit: int, seq_id: str, step: int, partials: list[np.ndarray],
-                        spans: list[Span]) -> list[np.ndarray]:
-        """Each share's sum of all partials at its own rows, summed in share order."""
-        sums = []
-        for receiver, span in enumerate(spans):
-            total = None
-            for sender, partial in enumerate(partials):
-                mine = partial[:, span.start : span.stop]
-                if sender != receiver:
-                    mine = self._carry(self._message(seq_id, step, unit, SharePhase.REDUCE,
-                                                     sender, span, mine))
-                total = mine if total is None else total + mine
-            sums.append(total)
-        return sums
+    def length(self, seq_id: str) -> int:
+        return self.shares[0].length(seq_id)
 
-    def _outputs(self, seq_id: str, step: int, states: list[_StepState]) -> dict[str, np.ndarray]:
-        """The stage's outputs as share 0 answers them: its row output gathered from every
-        share, the rest from what it holds whole."""
-        answering = states[0]
-        outputs = {}
-        for name in self.outputs:
-            if name != answering.rows_name:
-                outputs[name] = answering.whole[name]
-                continue
-            pieces = [_rows(answering)] + [
-                self._carry(self._message(seq_id, step, self.last, SharePhase.OUTPUT, sender,
-                                          state.span, _rows(state)))
-                for sender, state in enumerate(states) if sender > 0]
-            outputs[name] = np.concatenate(pieces, axis=ROWS_AXIS)
-        return outputs
+    def truncate(self, seq_id: str, length: int) -> None:
+        for share in self.shares:
+            share.truncate(seq_id, length)
+
+    @property
+    def sequence_count(self) -> int:
+        return self.shares[0].sequence_count
 
 
-def _rows(state: _StepState) -> np.ndarray:
-    assert state.rows is not None  # set by the unit that started the stage's rows
-    return state.rows
+def _rows(message: ShareData) -> np.ndarray:
+    return message.tensors["rows"]
 
 
 def _block(unit: Unit) -> tuple[int, str]:
@@ -284,7 +375,7 @@ def _hidden_input(unit: Unit) -> str:
     return next(i.name for i in unit.inputs if i.name.endswith(HIDDEN))
 
 
-def _row_count(inputs: dict[str, np.ndarray]) -> int:
+def _row_count(inputs: Tensors) -> int:
     """The step's rows: new tokens, or positions of the hidden state it starts from."""
     return int(inputs["position_ids"].shape[ROWS_AXIS]) if "position_ids" in inputs else int(
         next(v for k, v in inputs.items() if k.endswith(HIDDEN)).shape[ROWS_AXIS])
