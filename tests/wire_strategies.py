@@ -108,6 +108,8 @@ RULED: dict[str, dict[str, Any]] = {
     "seq-state": {"units": (1,), "tensors": {"past_s": np.ones((1, 1, 2, 4), np.float32)}},
     "share": {"phase": "gather", "row_start": 0, "row_stop": 3,
               "tensors": {"rows": np.ones((1, 3, 4), np.float32)}},
+    "shares-request": {"weights": (1.0, 2.0)},
+    "shares-offer": {"state": "exporting"},
     "stage": {"tensors": {"hidden": np.ones((1, 3, 4), np.float32),
                           "position_ids": np.arange(3, dtype=np.int64)[None]}},
 }

@@ -250,6 +250,35 @@ class ShareData:
                  f"share: tensor rows of shape {list(rows.shape)} is not [batch, {count}, width]")
 
 
+@message("share-step", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class ShareStep:
+    """The lead of a group stage hands each other member the inputs of step ``step`` of
+    ``seq_id`` (the stage's inputs, as the lead took them in ``StageData``): run your share
+    of it. Members run the steps of a sequence in the order they come."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    plan: str
+    seq_id: str
+    step: int
+    tensors: Tensors
+
+    def __post_init__(self):
+        _require(self.step >= 0, "share-step: negative step")
+
+
+@message("share-drop", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class ShareDrop:
+    """The lead of a group stage ends a sequence on the other members: free its K/V."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    plan: str
+    seq_id: str
+
+
 @message("seq-open", channel=DATA)
 @dataclasses.dataclass(frozen=True)
 class SequenceOpen(Asks["SequenceOpened"]):
@@ -814,20 +843,49 @@ class ManifestOffer:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanShare:
+    """A peer's share of a group stage: ``weight`` of every layer half, relative to the
+    other shares' (shards.share_split splits by these)."""
+
+    peer: str
+    weight: float
+
+    def __post_init__(self):
+        _require(math.isfinite(self.weight) and self.weight > 0,
+                 "plan share: weight must be a positive number")
+
+
+@dataclasses.dataclass(frozen=True)
 class PlanStage:
     """``peer`` runs units ``first`` to ``last`` (inclusive), and holds ``copies`` of
     neighbouring stages' units loaded beside them: the overlap plan's movable copies
-    (LinguaLinked Eq. 6-7), so that a boundary moving onto this peer loads no weights."""
+    (LinguaLinked Eq. 6-7), so that a boundary moving onto this peer loads no weights.
+    A group stage lists its ``shares`` (tensor-parallel, docs/architecture.md), the lead,
+    ``peer``, first; a one-peer stage has none."""
 
     peer: str
     first: int
     last: int
     copies: tuple[int, ...] = ()
+    shares: tuple[PlanShare, ...] = ()
 
     def __post_init__(self):
         _require(0 <= self.first <= self.last, "plan stage: bad unit range")
         _require(all(u >= 0 and not self.first <= u <= self.last for u in self.copies),
                  "plan stage: a copy of a unit of its own range")
+        _require(not self.shares or (len(self.shares) >= 2 and self.shares[0].peer == self.peer),
+                 "plan stage: a group has two shares or more, the lead's first")
+        _require(len(set(self.peers)) == len(self.peers), "plan stage: a peer with two shares")
+        _require(not (self.shares and self.copies), "plan stage: a group holds no copies")
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        """Every peer serving the stage, the lead first."""
+        return tuple(s.peer for s in self.shares) or (self.peer,)
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        return tuple(s.weight for s in self.shares)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -890,8 +948,13 @@ class PlanAssignment:
                  "plan: the first stage must start at unit 0 on the model peer")
         for before, after in zip(self.stages, self.stages[1:], strict=False):
             _require(after.first == before.last + 1, "plan: stages do not follow each other")
-        _require(len({s.peer for s in self.stages}) == len(self.stages),
-                 "plan: a peer holds two stages")
+        peers = [p for s in self.stages for p in s.peers]
+        _require(len(set(peers)) == len(peers), "plan: a peer holds two stages")
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        """Every peer serving a stage (a group's members too), in stage order."""
+        return tuple(p for s in self.stages for p in s.peers)
 
     @property
     def key(self) -> str:
@@ -972,6 +1035,83 @@ class UnitRefused:
     CHANNEL: ClassVar[str]
     req: int
     reason: str
+
+
+@message("shares-request", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SharesRequest(Asks["SharesOffer"]):
+    """A member of a group stage asks the model peer for the share units of units
+    ``first``..``last`` of manifest ``model`` split by ``weights`` (its plan stage's); the
+    model peer exports them the first time it is asked (``SharesOffer.state`` "exporting")."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    model: str
+    first: int
+    last: int
+    weights: tuple[float, ...]
+
+    def __post_init__(self):
+        _require(0 <= self.first <= self.last, "shares-request: bad unit range")
+        _require(2 <= len(self.weights) <= MAX_TENSORS
+                 and all(math.isfinite(w) and w > 0 for w in self.weights),
+                 "shares-request: weights must be two or more positive numbers")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShareFile:
+    """A file of a share unit, fetched like a unit's (``UnitChunkRequest`` by sha256)."""
+
+    name: str
+    sha256: str
+    bytes: int
+
+    def __post_init__(self):
+        _require_sha256(self.sha256, "share file")
+        _require(self.bytes >= 0, "share file: negative size")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShareUnitFiles:
+    """The share unit of share ``share`` of a layer's ``half`` ("attn" or "mlp"): its ONNX
+    model, then its data file, and its input and output names."""
+
+    layer: int
+    half: str
+    share: int
+    files: tuple[ShareFile, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+    def __post_init__(self):
+        _require(self.half in ("attn", "mlp"), f"share unit: unknown half {self.half!r}")
+        _require(self.layer >= 0 and self.share >= 0 and len(self.files) >= 1,
+                 "share unit: negative layer or share, or no files")
+
+
+@message("shares-offer", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class SharesOffer:
+    """The model peer's answer to ``SharesRequest``: ``state`` "exporting" (``detail``: the
+    last progress line), "failed" (``detail``: why) or "ready", with every share's ``units``,
+    whether the residual branch starts from the normed state (BLOOM), the norms' ``eps``, and
+    each layer half's pre-norm as tensors "norm.<layer>.<half>.weight" (and ".bias")."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+    state: str
+    detail: str
+    units: tuple[ShareUnitFiles, ...] = ()
+    residual_post_norm: bool = False
+    eps: float = 0.0
+    tensors: Tensors = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        _require(self.state in ("exporting", "ready", "failed"),
+                 f"shares-offer: unknown state {self.state!r}")
+        _require(self.state == "ready" or not self.units, "shares-offer: units before ready")
 
 
 def encode(msg: Message) -> list[bytes | memoryview]:
