@@ -265,6 +265,10 @@ def _model_info(config: ModelConfig, source_sha256: str) -> ModelInfo:
         eos_token_ids=tuple(config.eos_token_ids),
         bos_token_id=config.bos_token_id,
         source_sha256=source_sha256,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size,
     )
 
 

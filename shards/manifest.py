@@ -136,6 +136,18 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     source_sha256: str
+    # A decoder layer's shape, which its tensor-parallel split follows (shards.share_split);
+    # 0 in manifests written before groups: such a model cannot be served by a group.
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+
+    @property
+    def share_grains(self) -> int:
+        """How many peers a layer half can be split over: its KV-head groups, at most its
+        MLP columns (a group splits every layer half alike); 0 where unknown."""
+        return min(self.num_kv_heads, self.intermediate_size)
 
 
 @dataclass(frozen=True)

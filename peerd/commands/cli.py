@@ -166,10 +166,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="send this peer's activations to other stages as float16 (half the bytes)",
     )
     p.add_argument(
-        "--objective", choices=["throughput", "latency"], default="throughput",
+        "--objective", choices=["throughput", "latency", "first-token"], default="throughput",
         help="what the leader's plans optimise: throughput (default; many answers at once "
-        "run at the slowest stage's pace) or latency (the time of one token through every "
-        "stage: for answers asked one at a time, e.g. one person chatting)",
+        "run at the slowest stage's pace), latency (the time of one token through every "
+        "stage: for answers asked one at a time, e.g. one person chatting) or first-token "
+        "(the time to the first token of a 512-token prompt; with --shapes or "
+        "--tensor-parallel)",
+    )
+    p.add_argument(
+        "--tensor-parallel", type=int, metavar="N",
+        help="as leader, serve every stage by a group of N peers splitting each layer "
+        "(tensor parallel; N >= 2, at most the peers and the model's KV-head groups)",
+    )
+    p.add_argument(
+        "--shapes", action="store_true",
+        help="as leader, let the planner choose pipelines, groups of peers sharing each "
+        "layer, or both, whichever is fastest for --objective (default: pipelines)",
     )
     p.add_argument(
         "--no-rebalance", action="store_true",

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from peerd.control import rebalance
-from peerd.control.planning import planner_inputs, solve_plan
+from peerd.control.planning import planner_inputs, solve_plan, solve_shape
 from peerd.wire.protocol import (
     ClusterReport,
     DeployReport,
@@ -39,6 +39,7 @@ from peerd.wire.protocol import (
     PlanAssignment,
     PlanFigures,
     PlanRebalance,
+    PlanShare,
     PlanStage,
 )
 from peerd.wire.states import DeployState, ModelState
@@ -47,6 +48,7 @@ from planner import model as pm
 from planner.constraints import violations
 from planner.cost import simulate
 from planner.errors import PlannerError
+from planner.groups import Shape
 from shards.manifest import Manifest, ManifestError
 
 log = logging.getLogger("peerd.control.coordinator")
@@ -82,6 +84,15 @@ class ModelStatus:
 
 
 @dataclasses.dataclass(frozen=True)
+class Shapes:
+    """Plan shapes of planner.groups: with `group_size`, every stage a group of that many
+    peers (`peerd start --tensor-parallel N`); without, whichever is best for the objective
+    (`--shapes`)."""
+
+    group_size: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class _PlanInputs:
     epoch: int
     peers: frozenset[str]
@@ -109,10 +120,13 @@ class Coordinator:
         clock: Callable[[], float] = time.monotonic,
         policy: rebalance.Policy | None = rebalance.Policy(),  # noqa: B008 - frozen
         name_of: Callable[[str], str] = str,
+        shapes: Shapes | None = None,
     ):
         """`ask_manifest(peer, have_key)` returns that peer's ManifestOffer; `send(peer, msg)`
         delivers a message to a member (this peer included); `policy` is when to rebalance
-        (None: never); `name_of(peer)` is a peer's name, for messages."""
+        (None: never); `name_of(peer)` is a peer's name, for messages; `shapes`: plan by
+        planner.groups (groups, pipelines or both) rather than pipelines alone."""
+        self.shapes = shapes
         self._ask_manifest = ask_manifest
         self._send = send
         self.objective = objective
@@ -145,7 +159,7 @@ class Coordinator:
         )
         if inputs == self._inputs:
             self._pending = None  # a change that went away again
-            if self.deployed and self.policy is not None:
+            if self.deployed and self.policy is not None and self.shapes is None:
                 await self._rebalance(epoch, report, self.policy)
             elif self.plan is not None and not self.plan.stages and inputs.model_key:
                 await self._retry(epoch, report)
@@ -245,7 +259,7 @@ class Coordinator:
         if plan is None or current is None or not plan.stages:
             return True
         model = dataclasses.replace(inputs, peers=current.peers)
-        return model != current or any(s.peer not in inputs.peers for s in plan.stages)
+        return model != current or any(p not in inputs.peers for p in plan.peers)
 
     def on_report(self, peer: str, report: DeployReport) -> bool:
         """Record a member's progress on the current plan; True when it completes the plan."""
@@ -272,9 +286,10 @@ class Coordinator:
         return all(self._stage_ready(stage) for stage in plan.stages)
 
     def _stage_ready(self, stage: PlanStage) -> bool:
-        report = self.reports.get(stage.peer)
         units = tuple(range(stage.first, stage.last + 1))
-        return report is not None and report.state == DeployState.READY and report.units == units
+        reports = [self.reports.get(peer) for peer in stage.peers]
+        return all(r is not None and r.state == DeployState.READY and r.units == units
+                   for r in reports)
 
     def _needs_plan(self, member: str) -> bool:
         report = self.reports.get(member)
@@ -330,6 +345,10 @@ class Coordinator:
         served = _Served(model, model.manifest)
         try:
             cluster, workload = planner_inputs(report, model.peer, served.manifest)
+            if self.shapes is not None:
+                shape = await solve_shape(cluster, workload, served.manifest, self.objective,
+                                          self.shapes.group_size)
+                return self._shape_assignment(epoch, shape, served, plan_id)
             plan = await solve_plan(cluster, workload, self.objective, self.solver)
         except PlannerError as exc:
             return self._problem(epoch, plan_id, str(exc))
@@ -366,15 +385,38 @@ class Coordinator:
             problem=None,
         )
 
+    def _shape_assignment(self, epoch: int, shape: Shape, served: _Served,
+                          plan_id: int) -> PlanAssignment:
+        """A shape of planner.groups as the members get it: a group stage lists its shares."""
+        stages = tuple(
+            PlanStage(s.lead, s.start, s.stop - 1, shares=tuple(
+                PlanShare(share.peer, share.fraction) for share in s.shares
+            ) if len(s.shares) > 1 else ())
+            for s in shape.stages)
+        log.info("plan %d (%s, %s): %s; predicted first token in %.3f s, %.1f tokens/s",
+                 plan_id, shape.objective, shape.kind.value, ", ".join(
+                     f"{'+'.join(s.peers)} {s.first}-{s.last}" for s in stages),
+                 shape.predicted.first_token_s, shape.predicted.throughput_tps)
+        predicted = shape.predicted
+        return PlanAssignment(
+            epoch=epoch, plan_id=plan_id, stages=stages, model=served.model.name,
+            model_peer=served.model.peer, manifest=served.manifest.to_dict(),
+            objective=shape.objective, solver="groups",
+            predicted=PlanFigures(predicted.latency_s, predicted.throughput_tps,
+                                  predicted.bottleneck_s),
+            problem=None,
+        )
+
     def _stopped_answering(self, report: ClusterReport) -> str | None:
         """'peer laptop (units 8-15) stopped answering' for the current plan's stages, and
         the model's peer, missing from the report; None when all answered."""
         answering = {f.id for f in report.peers}
         stages = self.plan.stages if self.plan else ()
-        gone = [f"peer {self._name_of(s.peer)} (units {s.first}–{s.last})"
-                for s in stages if s.peer not in answering]
+        gone = [f"peer {self._name_of(peer)} (units {s.first}–{s.last})"
+                for s in stages for peer in s.peers if peer not in answering]
         model = self.model
-        if model and model.peer not in answering and model.peer not in {s.peer for s in stages}:
+        if model and model.peer not in answering and model.peer not in {
+                p for s in stages for p in s.peers}:
             gone.append(f"peer {self._name_of(model.peer)} (the model's)")
         return f"{' and '.join(gone)} stopped answering" if gone else None
 

@@ -41,7 +41,7 @@ def plan_active(plan: PlanAssignment | None, figures: tuple[PeerFigures, ...] | 
     if plan is None or not plan.stages or figures is None:
         return False
     ready = {f.id: f.plan for f in figures}
-    return all(ready.get(stage.peer) == plan.key for stage in plan.stages)
+    return all(ready.get(peer) == plan.key for peer in plan.peers)
 
 
 class PlanWatch:
@@ -73,7 +73,7 @@ class PlanWatch:
             self._listener(PlanLive(plan, loaded if self._loaded == plan.key else None, alive))
 
     def _holds_stage(self, plan: PlanAssignment, loaded: LoadedStage) -> bool:
-        stage = next((s for s in plan.stages if s.peer == self.deployment.me), None)
+        stage = next((s for s in plan.stages if self.deployment.me in s.peers), None)
         return (
             stage is not None
             and (loaded.first, loaded.last) == (stage.first, stage.last)

@@ -27,13 +27,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import statistics
 
 from peerd.wire.protocol import Battery, ClusterReport, PeerFigures, PlanAssignment
 from planner import model as pm
 from planner.constraints import violations
-from planner.cost import simulate
+from planner.cost import simulate, usable_devices
 from planner.errors import Infeasible, PlannerError
+from planner.groups import Shape, best_shape
 from planner.io import workload_from_dict
 from planner.solve import solve
 from shards.manifest import Manifest
@@ -41,9 +43,11 @@ from shards.manifest import Manifest
 log = logging.getLogger("peerd.control.planning")
 
 DEFAULT_CONTEXT = 2048
+SHAPE_PROMPT_TOKENS = 512  # the prompt the first-token objective plans for
 MILP_TIME_LIMIT_S = 10.0
 SETTLE_S = 1.0  # of the time limit, kept for scoring the plan found and its overlap plan
 FALLBACK_SOLVER = "dp"
+LAYER_HALF = re.compile(r"layer\d+\.(attn|mlp)")
 
 
 def cluster_from_report(report: ClusterReport, source: str, context: int,
@@ -127,8 +131,8 @@ def rescore(report: ClusterReport, plan: PlanAssignment,
             manifest: Manifest) -> pm.Prediction | None:
     """What the planner predicts for `plan` at the prices of `report`; None where the plan
     no longer holds under it (a peer gone, too loaded, out of memory)."""
-    if plan.model_peer is None or not plan.stages:
-        return None
+    if plan.model_peer is None or not plan.stages or any(s.shares for s in plan.stages):
+        return None  # a group plan is scored as planned (planner.groups)
     stages = [pm.Stage(s.peer, s.first, s.last + 1) for s in plan.stages]
     try:
         cluster, workload = planner_inputs(report, plan.model_peer, manifest)
@@ -140,7 +144,14 @@ def rescore(report: ClusterReport, plan: PlanAssignment,
 
 
 def workload_from_manifest(manifest: Manifest) -> pm.Workload:
-    return workload_from_dict(manifest.to_dict())
+    """The planner's workload; a layer half can be shared by as many peers as its layer
+    has grains (`ModelInfo.share_grains`), the embedding and the head by none."""
+    document = manifest.to_dict()
+    grains = manifest.model.share_grains
+    for unit in document["units"]:
+        if LAYER_HALF.fullmatch(unit["name"]):
+            unit["share_grains"] = grains
+    return workload_from_dict(document)
 
 
 def context_for(manifest: Manifest) -> int:
@@ -172,3 +183,23 @@ async def solve_plan(
         log.warning("solver %s failed (%s); solving with %s instead", solver, reason,
                     FALLBACK_SOLVER)
     return await asyncio.to_thread(solve, cluster, workload, objective, FALLBACK_SOLVER)
+
+
+async def solve_shape(cluster: pm.Cluster, workload: pm.Workload, manifest: Manifest,
+                      objective: str, group_size: int | None) -> Shape:
+    """The best shape of planner.groups for `objective` (with `group_size`: every stage a
+    group of that many peers), in a worker thread. Raises Infeasible, saying why in one
+    line, where no such shape can serve the model."""
+    grains = manifest.model.share_grains
+    if group_size is not None:
+        peers = len(usable_devices(cluster))
+        if group_size > peers:
+            raise Infeasible(f"--tensor-parallel {group_size} needs {group_size} peers; "
+                             f"{peers} can take work")
+        if grains == 0:
+            raise Infeasible("the model's manifest predates groups: shard it again")
+        if group_size > grains:
+            raise Infeasible(f"--tensor-parallel {group_size}: the model's layers split "
+                             f"{grains} ways at most (its KV-head groups)")
+    return await asyncio.to_thread(best_shape, cluster, workload, objective,
+                                   SHAPE_PROMPT_TOKENS, group_size)

@@ -22,7 +22,7 @@ from peerd.cluster.membership import Member
 from peerd.cluster.peers import ClusterView, Handler
 from peerd.cluster.unit_clock import UnitClock
 from peerd.control import rebalance
-from peerd.control.coordinator import Coordinator, ModelStatus
+from peerd.control.coordinator import Coordinator, ModelStatus, Shapes
 from peerd.control.deploy import Deployment
 from peerd.control.model_host import ModelHost
 from peerd.control.plan_live import PlanEvent, PlanWatch
@@ -47,7 +47,7 @@ class Plans:
                  spawn: Spawn, listener: Callable[[PlanEvent], None],
                  on_new_plan: Callable[[protocol.PlanAssignment], None],
                  on_deployed: Callable[[], None], unit_clock: UnitClock | None = None,
-                 exits: ExitSettings | None = None):
+                 exits: ExitSettings | None = None, shapes: Shapes | None = None):
         """`listener` hears StageLoaded and PlanLive; `on_new_plan` each plan new to this
         peer; `on_deployed` that the leader's current plan has every stage loaded;
         `unit_clock` gets the units' warm-up times; `exits` places an early exit on this
@@ -69,6 +69,7 @@ class Plans:
         self.coordinator = Coordinator(
             self._ask_manifest, self._send_plan, objective=objective,
             policy=rebalance.Policy() if rebalancing else None, name_of=cluster.name_of,
+            shapes=shapes,
         )
 
     async def close(self) -> None:

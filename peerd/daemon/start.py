@@ -16,12 +16,15 @@ from peerd import statedir
 from peerd.api import openai_settings
 from peerd.cluster.discovery import parse_peer
 from peerd.cluster.monitor import parse_size
+from peerd.control.coordinator import Shapes
 from peerd.daemon.wiring import Daemon, Options
 from peerd.errors import PeerdError
 from peerd.wire.identity import load_identity, load_secret
+from planner.groups import FIRST_TOKEN
 from shards.early_exit import ExitSettings
 from shards.gguf.file import SUFFIX as GGUF_SUFFIX
 from shards.gguf.file import is_gguf
+from shards.manifest import Quant
 
 
 def options_from_args(args: argparse.Namespace) -> Options:
@@ -39,6 +42,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
     if args.standalone and not exits.enabled:
         raise PeerdError("--standalone answers from the exit: give --early-exit or "
                          "--speculative too")
+    shapes = _shapes(args, exits)
     model = Path(args.model) if args.model else None
     if model and not (model.is_dir() or (model.is_file() and is_gguf(model))):
         raise PeerdError(f"--model {args.model} is neither a checkpoint directory nor a "
@@ -53,12 +57,35 @@ def options_from_args(args: argparse.Namespace) -> Options:
         fp16_wire=args.fp16_wire,
         rebalance=not args.no_rebalance,
         objective=args.objective,
+        shapes=shapes,
         model=args.model,
         quant=args.quant,
         openai=openai_settings.settings_from_args(args),
         exits=exits,
         standalone=args.standalone,
     )
+
+
+def _shapes(args: argparse.Namespace, exits: ExitSettings) -> Shapes | None:
+    """How this peer plans as leader: --tensor-parallel N or --shapes, else None
+    (pipelines)."""
+    size = args.tensor_parallel
+    if size is not None and size < 2:
+        raise PeerdError(f"--tensor-parallel {size}: a group has 2 peers or more")
+    if size is not None and args.shapes:
+        raise PeerdError("--tensor-parallel fixes the shape; --shapes lets the planner choose "
+                         "it: give one")
+    grouped = size is not None or args.shapes
+    if grouped and exits.enabled:
+        raise PeerdError("--early-exit and --speculative do not run on groups yet: leave "
+                         "them out with --tensor-parallel or --shapes")
+    if grouped and args.quant != Quant.NONE:
+        raise PeerdError("groups run unquantised share units: leave --quant out with "
+                         "--tensor-parallel or --shapes")
+    if args.objective == FIRST_TOKEN and not grouped:
+        raise PeerdError("--objective first-token plans shapes: give --shapes or "
+                         "--tensor-parallel N too")
+    return Shapes(size) if grouped else None
 
 
 def _refuse_second_daemon(state_dir: Path) -> None:

@@ -30,6 +30,7 @@ from peerd.cluster.discovery import MdnsDiscovery, StaticPeers, advertised_addre
 from peerd.cluster.monitor import Monitor, on_mains
 from peerd.cluster.peers import ClusterView, Handler
 from peerd.cluster.records import PeerRecord
+from peerd.control.coordinator import Shapes
 from peerd.control.plans import Plans
 from peerd.daemon.limits import raise_file_limit
 from peerd.daemon.sd_notify import Notifier
@@ -68,6 +69,7 @@ class Options:
     fp16_wire: bool = False
     rebalance: bool = True  # as leader, move work when load or battery change
     objective: str = "throughput"  # what this peer's plans optimise while it leads
+    shapes: Shapes | None = None  # plan groups too while it leads (None: pipelines)
     openai: openai_settings.Settings | None = None  # the OpenAI-compatible endpoint, if served
     exits: ExitSettings = ExitSettings()  # early exit, when this peer holds the first stage
     standalone: bool = False  # answer from the exit alone while no plan serves
@@ -102,7 +104,7 @@ class Daemon:
             self.cluster, self.transport, options.state_dir, model, options.quant,
             options.objective, options.rebalance, self._spawn, self.serving.on_plan,
             on_new_plan=self._publish_plan, on_deployed=self.measuring.remeasure,
-            unit_clock=self.serving.unit_clock, exits=options.exits,
+            unit_clock=self.serving.unit_clock, exits=options.exits, shapes=options.shapes,
         )
         self.measuring.on_report(self.plans.watch.measured)
         self.ops = ops.LocalOps(self.status, self.events, self.serving.chat.op_chat,
