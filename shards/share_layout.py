@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shards.manifest import Unit
+from shards.manifest import Unit, UnitFile
 from shards.share_split import Share
 
 ATTN, MLP = "attn", "mlp"
@@ -50,6 +50,7 @@ class ShareUnit:
     path: Path
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    files: tuple[UnitFile, ...] = ()  # as written: the model, then its data file
 
 
 @dataclass(frozen=True)

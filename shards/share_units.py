@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -227,19 +227,20 @@ _FAMILIES = {
 
 
 def shares_for(model: str | Path, manifest: Manifest, weights: Sequence[float],
-               directory: Path) -> ShareUnits:
+               directory: Path, layers: Iterable[int] | None = None) -> ShareUnits:
     """The share units of the model at `model` (sharded as `manifest`) for `weights`,
-    written into `directory`. The split is checked before the model is loaded."""
+    written into `directory` (of `layers` only, where given). The split is checked before
+    the model is loaded."""
     config = load_config(model)
     split_layer(LayerShape.of(config), weights)
     _, loaded = load_model(model)
     attention = next(u for u in manifest.units if u.name == f"layer0.{ATTN}")
-    return export_shares(loaded, weights, step_inputs(attention), directory)
+    return export_shares(loaded, weights, step_inputs(attention), directory, layers)
 
 
 # -- export ------------------------------------------------------------------------------------
 def export_shares(model: CausalLM, weights: Sequence[float], step_names: Sequence[str],
-                  directory: Path) -> ShareUnits:
+                  directory: Path, layers: Iterable[int] | None = None) -> ShareUnits:
     """Split every layer of the loaded `model` into shares by `weights` and write each share
     unit into `directory`, checked against torch. `step_names` are the per-step tensors an
     attention unit reads, in the manifest's order (e.g. rotary.cos, rotary.sin, mask)."""
@@ -247,7 +248,7 @@ def export_shares(model: CausalLM, weights: Sequence[float], step_names: Sequenc
     shares = split_layer(LayerShape.of(config), weights)
     units: dict[tuple[int, str, int], ShareUnit] = {}
     norms: dict[tuple[int, str], Norm] = {}
-    for layer in range(config.num_layers):
+    for layer in range(config.num_layers) if layers is None else layers:
         blocks = _layer(model, layer)
         norms[(layer, ATTN)] = _norm(blocks.attn.get_submodule("norm"), config.norm_eps)
         norms[(layer, MLP)] = _norm(blocks.mlp.get_submodule("norm"), config.norm_eps)
@@ -271,7 +272,7 @@ def _export(module: nn.Module, runs: dict, inputs: tuple[str, ...], outputs: tup
     relative = f"layer{layer:03d}-{half}-share{share}.onnx"
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         staged = to_onnx(module, list(inputs), list(outputs), runs, Path(scratch))
-        write_unit(staged, directory, relative)
+        written = write_unit(staged, directory, relative)
     path = directory / relative
     session = ort.InferenceSession(str(path), session_options(),
                                    providers=["CPUExecutionProvider"])
@@ -279,7 +280,7 @@ def _export(module: nn.Module, runs: dict, inputs: tuple[str, ...], outputs: tup
     problem = disagreement(session, inputs, outputs, args, expected, exact=True)
     if problem is not None:
         raise ShareError(f"share {share} of layer {layer}'s {half}: {problem}")
-    return ShareUnit(layer, half, share, path, inputs, outputs)
+    return ShareUnit(layer, half, share, path, inputs, outputs, written.files)
 
 
 def _attention_runs(model: CausalLM, layer: int, module: nn.Module, kv_heads: int) -> dict:

@@ -270,7 +270,9 @@ def deployed_plan(peers: list[Peer], old: dict | None = None) -> dict | None:
     if len(plans) != 1 or (old and plans == {(old["epoch"], old["id"])}):
         return None
     plan = statuses[0]["plan"]
-    expected = {p.id: [] for p in peers} | {s["peer"]: s["units"] for s in plan["stages"]}
+    expected = {p.id: [] for p in peers} | {
+        peer: s["units"] for s in plan["stages"]
+        for peer in [s["peer"], *(share["peer"] for share in s.get("shares", ())[1:])]}
     for status in statuses:
         loaded = {entry["id"]: entry["units"] for entry in status["peers"]}
         if any(loaded.get(peer) != units for peer, units in expected.items()):

@@ -32,32 +32,46 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from peerd.cluster.unit_clock import UnitClock
 from peerd.control.unit_store import UnitStore
 from peerd.control.unit_transfer import CHUNK_BYTES, Ask, fetch_file
-from peerd.wire.protocol import DeployReport, PlanAssignment, PlanStage
+from peerd.inference.shares import EMBED, HEAD, ShareRunner
+from peerd.wire.protocol import (
+    DeployReport,
+    PlanAssignment,
+    PlanStage,
+    SharesOffer,
+    SharesRequest,
+)
 from peerd.wire.states import DeployState
 from shards.early_exit import ExitPoint, ExitSettings, exit_point, last_exit_layer
 from shards.executor import ExecutorOptions, HeldUnit, SessionShelf, StageExecutor
 from shards.manifest import Manifest, ManifestError, Unit, UnitFile
+from shards.share_layout import Norm, ShareUnit, ShareUnits
+from shards.share_split import LayerShape, split_layer
 
 log = logging.getLogger("peerd.control.deploy")
 
 REPORT_INTERVAL_S = 1.0
+SHARES_POLL_S = 0.5  # how often a group member asks again while the model peer exports
+
+AskShares = Callable[[str, SharesRequest], Awaitable[SharesOffer]]
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadedStage:
-    """The units this peer runs: units ``first``..``last`` of ``manifest``, in ``executor``."""
+    """The units this peer runs: units ``first``..``last`` of ``manifest``, in ``executor``;
+    in a group stage (``group``: its peers, the lead first), this peer's share of them."""
 
     manifest: Manifest
     first: int
     last: int
-    executor: StageExecutor
+    executor: StageExecutor | ShareRunner
+    group: tuple[str, ...] = ()
 
     @property
     def units(self) -> tuple[int, ...]:
@@ -79,6 +93,7 @@ class Deployment:
         store: UnitStore,
         ask: Callable[[str], Ask],
         report: Callable[[DeployReport], None],
+        ask_shares: AskShares | None = None,
         local_files: Callable[[], Mapping[str, Path]] = dict,
         chunk_bytes: int = CHUNK_BYTES,
         unit_clock: UnitClock | None = None,
@@ -93,6 +108,7 @@ class Deployment:
         self.store = store
         self._ask = ask
         self._report = report
+        self._ask_shares = ask_shares
         self._local_files = local_files
         self._chunk_bytes = chunk_bytes
         self.unit_clock = unit_clock or UnitClock()
@@ -115,7 +131,7 @@ class Deployment:
         return self.loaded.units if self.loaded else ()
 
     @property
-    def executor(self) -> StageExecutor | None:
+    def executor(self) -> StageExecutor | ShareRunner | None:
         return self.loaded.executor if self.loaded else None
 
     # -- plans ---------------------------------------------------------------------------------
@@ -154,7 +170,7 @@ class Deployment:
                 await self._task
 
     async def _deploy(self, plan: PlanAssignment) -> None:
-        stage = next((s for s in plan.stages if s.peer == self.me), None)
+        stage = next((s for s in plan.stages if self.me in s.peers), None)
         try:
             self.manifest = _manifest(plan)
             if stage is None:
@@ -174,8 +190,11 @@ class Deployment:
     async def _deploy_stage(
         self, plan: PlanAssignment, stage: PlanStage, manifest: Manifest, model_peer: str
     ) -> None:
+        if stage.shares:
+            await self._deploy_share(plan, stage, manifest, model_peer)
+            return
         loaded = self.loaded
-        if loaded and (loaded.manifest.key, loaded.first, loaded.last) == (
+        if loaded and not loaded.group and (loaded.manifest.key, loaded.first, loaded.last) == (
             manifest.key, stage.first, stage.last
         ):
             self._set(DeployState.READY, detail="units already loaded")
@@ -199,6 +218,50 @@ class Deployment:
         log.info("plan %d: loaded units %s", plan.plan_id, _range(stage))
         self._set(DeployState.READY, detail=f"loaded units {_range(stage)}")
         await self._hold_copies(model_peer, manifest, stage)
+
+    async def _deploy_share(self, plan: PlanAssignment, stage: PlanStage, manifest: Manifest,
+                            model_peer: str) -> None:
+        """Load this peer's share of a group stage: its share units (exported by the model
+        peer for the stage's weights), and the stage's embedding and head units whole."""
+        index = stage.peers.index(self.me)
+        offer = await self._share_offer(model_peer, SharesRequest(
+            0, manifest.key, stage.first, stage.last, stage.weights))
+        whole = tuple(u for u in manifest.units[stage.first : stage.last + 1]
+                      if u.name in (EMBED, HEAD))
+        paths, missing = await self._unit_paths(whole)
+        mine = [u for u in offer.units if u.share == index]
+        share_paths: dict[tuple[int, str], Path] = {}
+        for unit in mine:
+            files = tuple(UnitFile(f.name, f.sha256, f.bytes) for f in unit.files)
+            share_paths[(unit.layer, unit.half)], lacking = await self._file_paths(files)
+            missing += [(f"share {index} of layer {unit.layer}'s {unit.half}", f)
+                        for f in lacking]
+        if missing:
+            await self._fetch(model_peer, missing)
+        self._set(DeployState.LOADING, detail=f"loading share {index} of units {_range(stage)}")
+        self.loaded = None
+        units = _share_units(manifest, stage.weights, offer, index, share_paths)
+        runner = await asyncio.to_thread(
+            ShareRunner, _at_paths(manifest, paths), self.store.root, stage.first, stage.last,
+            units, index, self._options, plan.key)
+        self.loaded = LoadedStage(manifest, stage.first, stage.last, runner, stage.peers)
+        log.info("plan %d: loaded share %d of units %s", plan.plan_id, index, _range(stage))
+        self._set(DeployState.READY, detail=f"loaded share {index} of units {_range(stage)}")
+
+    async def _share_offer(self, model_peer: str, request: SharesRequest) -> SharesOffer:
+        """The model peer's share units for the stage, once exported (it exports them the
+        first time it is asked; progress in the detail)."""
+        if self._ask_shares is None:
+            raise ValueError("this peer cannot ask for share units")
+        while True:
+            offer = await self._ask_shares(model_peer, request)
+            if offer.state == "ready":
+                return offer
+            if offer.state == "failed":
+                raise ValueError(f"the model peer cannot export share units: {offer.detail}")
+            if self.progress.detail != (detail := f"model peer exporting: {offer.detail}"):
+                self._set(DeployState.FETCHING, detail=detail)
+            await asyncio.sleep(SHARES_POLL_S)
 
     def _exit(self, manifest: Manifest, stage: PlanStage) -> ExitPoint | None:
         """Where the first stage exits early, if asked to: after --exit-layer layers, or
@@ -247,30 +310,35 @@ class Deployment:
 
     async def _unit_paths(
         self, units: tuple[Unit, ...]
-    ) -> tuple[dict[int, Path], list[tuple[Unit, UnitFile]]]:
+    ) -> tuple[dict[int, Path], list[tuple[str, UnitFile]]]:
         """Where each unit's model file is or will be (its data file beside it), and the
-        files this peer lacks, to fetch into its store before loading."""
+        files this peer lacks (named for the log), to fetch into its store before loading."""
         paths: dict[int, Path] = {}
-        missing: dict[str, tuple[Unit, UnitFile]] = {}
-        local = self._local_files()
+        missing: dict[str, tuple[str, UnitFile]] = {}
         for unit in units:
-            if all(f.sha256 in local for f in unit.files):
-                paths[unit.index] = local[unit.model_file.sha256]
-                continue
-            paths[unit.index] = self.store.path(unit.model_file.content_name)
-            for file in unit.files:
-                if not await asyncio.to_thread(self.store.verify, file.content_name):
-                    missing[file.content_name] = (unit, file)
+            paths[unit.index], lacking = await self._file_paths(unit.files)
+            for file in lacking:
+                missing[file.content_name] = (f"unit {unit.index} ({unit.name})", file)
         return paths, list(missing.values())
 
-    async def _fetch(self, model_peer: str, missing: list[tuple[Unit, UnitFile]]) -> None:
+    async def _file_paths(self, files: tuple[UnitFile, ...]) -> tuple[Path, list[UnitFile]]:
+        """Where a model file (the first of `files`) is or will be, and those of `files`
+        this peer lacks: the model peer has them all where it wrote them."""
+        local = self._local_files()
+        if all(f.sha256 in local for f in files):
+            return local[files[0].sha256], []
+        lacking = [f for f in files
+                   if not await asyncio.to_thread(self.store.verify, f.content_name)]
+        return self.store.path(files[0].content_name), lacking
+
+    async def _fetch(self, model_peer: str, missing: list[tuple[str, UnitFile]]) -> None:
         total = sum(file.bytes for _, file in missing)
         self._set(DeployState.FETCHING, total=total, detail=f"fetching {len(missing)} unit files")
         ask = self._ask(model_peer)
-        for unit, file in missing:
+        for what, file in missing:
             await fetch_file(ask, self.store, file, self._chunk_bytes, self._fetched)
-            log.info("received %s of unit %d (%s, %d bytes); %d of %d bytes", file.content_name,
-                     unit.index, unit.name, file.bytes, self.progress.received, total)
+            log.info("received %s of %s (%d bytes); %d of %d bytes", file.content_name,
+                     what, file.bytes, self.progress.received, total)
 
     def _fetched(self, name: str, have: int) -> None:
         self._have[name] = have
@@ -322,7 +390,9 @@ class Deployment:
             "epoch": plan.epoch,
             "stages": [
                 {"peer": s.peer, "units": list(range(s.first, s.last + 1)),
-                 "copies": list(s.copies)}
+                 "copies": list(s.copies),
+                 "shares": [{"peer": share.peer, "weight": share.weight,
+                             "fraction": share.weight / sum(s.weights)} for share in s.shares]}
                 for s in plan.stages
             ],
             "objective": plan.objective,
@@ -355,6 +425,22 @@ def _manifest(plan: PlanAssignment) -> Manifest | None:
     if plan.stages and plan.stages[-1].last != count - 1:
         raise ValueError(f"the plan covers units 0-{plan.stages[-1].last}, the model has {count}")
     return manifest
+
+
+def _share_units(manifest: Manifest, weights: tuple[float, ...], offer: SharesOffer,
+                 index: int, paths: Mapping[tuple[int, str], Path]) -> ShareUnits:
+    """Share `index`'s units as its runner loads them: at `paths`, with the offer's norms."""
+    model = manifest.model
+    shares = split_layer(LayerShape(model.num_heads, model.num_kv_heads, model.head_dim,
+                                    model.intermediate_size), weights)
+    units = {(u.layer, u.half, u.share): ShareUnit(u.layer, u.half, u.share,
+                                                   paths[(u.layer, u.half)], u.inputs, u.outputs)
+             for u in offer.units if u.share == index}
+    norms = {(u.layer, u.half): Norm(offer.tensors[f"norm.{u.layer}.{u.half}.weight"],
+                                     offer.tensors.get(f"norm.{u.layer}.{u.half}.bias"),
+                                     offer.eps)
+             for u in offer.units if u.share == index}
+    return ShareUnits(shares, weights, units, norms, offer.residual_post_norm)
 
 
 def _at_paths(manifest: Manifest, paths: Mapping[int, Path]) -> Manifest:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -27,19 +29,30 @@ import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from peerd import statedir
 from peerd.control.unit_store import file_sha256
-from peerd.wire.protocol import ManifestOffer
+from peerd.wire.protocol import (
+    ManifestOffer,
+    ShareFile,
+    SharesOffer,
+    SharesRequest,
+    ShareUnitFiles,
+)
 from peerd.wire.states import ModelState
 from shards.cache import ShardOptions, cached
 from shards.cli import SHARDS_SUBDIR
 from shards.manifest import Manifest, ManifestError, Quant
+from shards.share_bundle import read_bundle
 from shards.source import open_model
 
 log = logging.getLogger("peerd.control.model_host")
 
 SPACE_POLL_S = 1.0  # how often a model that failed for want of space looks for room again
+SHARES_SUBDIR = "shares"  # exported share units in the state directory, by bundle key
 ROOM_TO_RETRY = 1 << 20  # bytes freed since that failure that are worth another try
 
 
@@ -52,8 +65,10 @@ class ModelHost:
         self.state = ModelState.SHARDING
         self.detail = "starting"
         self.manifest: Manifest | None = None
+        self.directory: Path | None = None
         self.files: Mapping[str, Path] = {}
         self._process: asyncio.subprocess.Process | None = None
+        self._bundles: dict[str, _Bundle] = {}  # share units of group stages, by bundle key
 
     async def run(self) -> None:
         """Shard the model (or reuse an earlier result) and get ready to serve it; after a
@@ -71,6 +86,7 @@ class ModelHost:
             await self._until_room()
             self.state = ModelState.SHARDING
         self.manifest, self.files = manifest, manifest.files_in(directory)
+        self.directory = directory
         self.state = ModelState.READY
         self.detail = f"{len(manifest.units)} units in {directory}"
         log.info("model %s ready: %s", self.name, self.detail)
@@ -124,11 +140,62 @@ class ModelHost:
         return ManifestOffer(req, self.name, ModelState.READY, self.detail, key, content)
 
     async def close(self) -> None:
-        """Stop a sharding child that is still running."""
-        if self._process is not None and self._process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self._process.kill()
-            await self._process.wait()
+        """Stop a sharding or share-exporting child that is still running."""
+        for process in (self._process, *(b.process for b in self._bundles.values())):
+            if process is not None and process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+        for bundle in self._bundles.values():
+            if bundle.task is not None:
+                bundle.task.cancel()
+
+    # -- share units of group stages -------------------------------------------------------------
+
+    def served(self) -> dict[str, Path]:
+        """Every file this peer serves by sha256: its units' and its exported share units'."""
+        shared = {sha: path for b in self._bundles.values() for sha, path in b.files.items()}
+        return {**self.files, **shared}
+
+    def shares(self, request: SharesRequest) -> SharesOffer:
+        """The answer to a member of a group asking for its share units: exported once per
+        manifest, unit range and weights (kept in the state directory, so a re-plan or a
+        restart with the same ones exports nothing), in a child process (torch)."""
+        manifest, directory = self.manifest, self.directory
+        if manifest is None or directory is None or request.model != manifest.key:
+            return SharesOffer(request.req, "failed", f"peer serves no model {request.model}")
+        key = _bundle_key(request)
+        bundle = self._bundles.get(key)
+        if bundle is None:
+            bundle = self._bundles[key] = _Bundle(self._state_dir / SHARES_SUBDIR / key)
+            found = read_bundle(bundle.out)
+            if found is not None:
+                bundle.ready(found)
+            else:
+                bundle.task = asyncio.get_running_loop().create_task(
+                    self._export(bundle, request, directory))
+        return bundle.offer(request.req)
+
+    async def _export(self, bundle: _Bundle, request: SharesRequest, shard_dir: Path) -> None:
+        log.info("exporting share units of units %d-%d for weights %s", request.first,
+                 request.last, list(request.weights))
+        bundle.process = process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "shards.share_bundle", str(self.model_dir), str(shard_dir),
+            str(bundle.out), "--weights", ",".join(map(repr, request.weights)),
+            "--first", str(request.first), "--last", str(request.last),
+            stderr=asyncio.subprocess.PIPE)
+        assert process.stderr is not None  # a pipe
+        while line := await process.stderr.readline():
+            if text := line.decode(errors="replace").strip():
+                bundle.detail = text
+                log.info("share units: %s", text)
+        found = read_bundle(bundle.out) if await process.wait() == 0 else None
+        if found is None:
+            bundle.state = "failed"
+            log.error("share units of units %d-%d: %s", request.first, request.last,
+                      bundle.detail)
+            return
+        bundle.ready(found)
 
 
 class ShardingFailed(Exception):
@@ -158,3 +225,41 @@ def _checked_manifest(directory: Path) -> Manifest:
                 raise ShardingFailed(f"unit {unit.name}: {path} does not match its manifest "
                                      f"(remove {directory} to shard the model again)")
     return manifest
+
+
+@dataclasses.dataclass
+class _Bundle:
+    """A group stage's share units, exported (or being exported) into `out`."""
+
+    out: Path
+    state: str = "exporting"
+    detail: str = "starting"
+    document: dict[str, Any] | None = None
+    files: dict[str, Path] = dataclasses.field(default_factory=dict)  # by sha256
+    task: asyncio.Task | None = None
+    process: asyncio.subprocess.Process | None = None
+
+    def ready(self, document: dict[str, Any]) -> None:
+        self.state, self.detail, self.document = "ready", "exported", document
+        self.files = {f["sha256"]: self.out / f["name"]
+                      for unit in document["units"] for f in unit["files"]}
+
+    def offer(self, req: int) -> SharesOffer:
+        document = self.document
+        if self.state != "ready" or document is None:
+            return SharesOffer(req, self.state, self.detail)
+        units = tuple(ShareUnitFiles(u["layer"], u["half"], u["share"],
+                                     tuple(ShareFile(**f) for f in u["files"]),
+                                     tuple(u["inputs"]), tuple(u["outputs"]))
+                      for u in document["units"])
+        tensors = {f"norm.{name}.{part}": np.asarray(values, np.float32)
+                   for name, norm in document["norms"].items()
+                   for part, values in norm.items() if values is not None}
+        return SharesOffer(req, "ready", self.detail, units, document["residual_post_norm"],
+                           float(document["eps"]), tensors)
+
+
+def _bundle_key(request: SharesRequest) -> str:
+    """The bundle's name: its manifest, unit range and weights."""
+    what = json.dumps([request.model, request.first, request.last, list(request.weights)])
+    return hashlib.sha256(what.encode()).hexdigest()[:32]

@@ -61,7 +61,8 @@ class Plans:
         self.chunks = ChunkServer(self._served_files)
         self.deployment = Deployment(
             cluster.me, UnitStore(state_dir / UNITS_DIR), self._unit_asker,
-            self._send_deploy_report, local_files=self._served_files, unit_clock=unit_clock,
+            self._send_deploy_report, self._ask_shares, local_files=self._served_files,
+            unit_clock=unit_clock,
             exits=exits,
         )
         self.watch = PlanWatch(self.deployment, listener)
@@ -125,7 +126,18 @@ class Plans:
             self.transport.send(leader, report)
 
     def _served_files(self) -> dict[str, Path]:
-        return dict(self.model_host.files) if self.model_host else {}
+        return self.model_host.served() if self.model_host else {}
+
+    async def _ask_shares(self, peer_id: str,
+                          request: protocol.SharesRequest) -> protocol.SharesOffer:
+        if peer_id == self.cluster.me:
+            return self._shares_offer(request)
+        return await self.transport.request(peer_id, request, MEASURE_TIMEOUT_S)
+
+    def _shares_offer(self, request: protocol.SharesRequest) -> protocol.SharesOffer:
+        if self.model_host is None:
+            return protocol.SharesOffer(request.req, "failed", "this peer serves no model")
+        return self.model_host.shares(request)
 
     def _unit_asker(self, peer_id: str) -> Ask:
         return lambda msg: self.transport.request(peer_id, msg, CHUNK_TIMEOUT_S)
@@ -144,7 +156,12 @@ class Plans:
             protocol.PlanAssignment: self._plan_assignment,
             protocol.DeployReport: self._deploy_report,
             protocol.UnitChunkRequest: self._unit_chunk_request,
+            protocol.SharesRequest: self._shares_request,
         }
+
+    def _shares_request(self, member: Member, msg: protocol.SharesRequest,
+                        incoming: Incoming) -> None:
+        incoming.reply(self._shares_offer(msg))
 
     def _manifest_request(self, member: Member, msg: protocol.ManifestRequest,
                           incoming: Incoming) -> None:

@@ -49,6 +49,7 @@ from typing import TypeVar
 
 from peerd.cluster.unit_clock import UnitClock
 from peerd.inference.answer_clock import AnswerClock
+from peerd.inference.groups import GroupLead
 from peerd.inference.pipeline import (
     Drafts,
     Generation,
@@ -194,7 +195,7 @@ class DataPlane:
         transport: Transport,
         stages: list[tuple[str, int, int]],
         manifest: Manifest,
-        executor: StageExecutor,
+        executor: StageExecutor | GroupLead,
         fp16_wire: bool = False,
         limits: Limits | None = None,
         plan: str = "local",
@@ -325,8 +326,13 @@ class DataPlane:
     def exit_executor(self) -> StageExecutor | None:
         """The head's stage, where it has an exit: what answers alone when the stages
         behind it are gone (standalone)."""
+        return self._with_exit if self.is_head else None
+
+    @property
+    def _with_exit(self) -> StageExecutor | None:
+        """This stage's executor where it has an exit (a group stage has none)."""
         executor = self.worker.executor
-        return executor if self.is_head and executor.exit is not None else None
+        return executor if isinstance(executor, StageExecutor) and executor.exit else None
 
     def exit_status(self) -> dict | None:
         """The exit of this plane's head, and what it did for the answers so far (status)."""
@@ -429,9 +435,9 @@ class DataPlane:
     async def _drafts(self, running: _Running) -> Drafts:
         """The exit's guesses of the next tokens for the full model to check (speculative
         decoding: answers that ask no log-probabilities, once they have a token)."""
-        generation, executor = running.generation, self.worker.executor
+        generation, executor = running.generation, self._with_exit
         count = drafts_wanted(self.exits, generation, running.params)
-        if count == 0 or executor.exit is None:
+        if count == 0 or executor is None:
             return Drafts()
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._compute, draft, executor, generation, count,
@@ -721,6 +727,9 @@ class DataPlane:
         self._computing.add(seq_id)
         try:
             done = await self._computed(ask)
+        except TransportError as exc:  # a member of this group stage is gone
+            self._lost_peer(seq_id, f"stage {self.stage}, step {step}: {exc}")
+            return
         except Exception as exc:  # ONNX Runtime's errors derive from Exception alone
             await self._report_failure(seq_id, f"stage {self.stage}, step {step}: {exc}")
             return
@@ -766,9 +775,10 @@ class DataPlane:
         start at once, and a step the exit cannot answer costs them no wait (on the bench
         model's first stage the LM head is as much work as 3 of its 12 layers)."""
         running = self._running.get(seq_id)
-        if self.exits.threshold is None or running is None or running.done.done():
+        executor = self._with_exit
+        if self.exits.threshold is None or running is None or running.done.done() or (
+                executor is None):
             return
-        executor = self.worker.executor
         running.deciding = step
         try:
             loop = asyncio.get_running_loop()

@@ -44,7 +44,9 @@ from peerd.control.planning import context_for
 from peerd.errors import ErrorKind, PeerdError, invalid
 from peerd.inference.answers import Answered, Answers, Busy, Request
 from peerd.inference.dataplane import DataPlane, GenerationError, Limits
+from peerd.inference.groups import GroupLead, GroupMember
 from peerd.inference.pipeline import NewToken, TokenLogprobs
+from peerd.inference.shares import ShareRunner
 from peerd.inference.stops import StopStrings
 from peerd.wire import protocol
 from peerd.wire.protocol import (
@@ -87,6 +89,7 @@ MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; the model refuses ids past it
 MAX_SEED = 2**64 - 1  # the largest seed SequenceOpen carries (msgpack integers)
 MAX_STOPS = 4  # stop strings of one chat, as OpenAI allows
 CHAT_KINDS = (ChatRequest, ChatEvent, ChatCancel)
+SHARE_KINDS = (protocol.ShareData, protocol.ShareStep, protocol.ShareDrop)
 PLANE_KINDS = (
     protocol.StageData, protocol.SequenceOpen, protocol.SequenceToken, protocol.SequenceDrop,
     protocol.SequenceFailed, protocol.SequenceStatsRequest, protocol.SequenceMove,
@@ -522,6 +525,7 @@ class Serving:
         self.chat = ChatService(transport)
         self.answers = Answers(self.limits, standalone)
         self.planes: dict[str, DataPlane] = {}  # by plan key, oldest first
+        self.groups: dict[str, GroupLead | GroupMember] = {}  # this peer's shares, by plan
         self._retired: set[asyncio.Task] = set()
         self._retiring: set[str] = set()  # plan keys of planes closing once answers moved
         self._stage_mark: tuple[str, int, float] | None = None
@@ -538,6 +542,7 @@ class Serving:
                 self._plane_for(plan, loaded)
             case PlanLive(plan=plan) if not plan.stages:
                 self._retire_all_but(None)
+                self._close_groups_but(None)
                 self.chat.head = None
                 self.chat.set_head_peer(None, plan.problem)
                 self.answers.use(None, problem=plan.problem)
@@ -548,6 +553,7 @@ class Serving:
                alive: frozenset[str]) -> None:
         """Answer on `plan` from now on: the head's answers move to its plane."""
         plane = self.planes.get(plan.key)
+        self._close_groups_but(plan.key)
         self.chat.set_head_peer(plan.stages[0].peer)
         if plane is not None and plane.is_head and loaded is not None:
             self.answers.use(plane, context_for(loaded.manifest))
@@ -559,16 +565,29 @@ class Serving:
                              "ask again")
         self._retire_all_but(plane, set(alive))
 
-    def _plane_for(self, plan: PlanAssignment, loaded: LoadedStage) -> DataPlane:
-        """This peer's plane of `plan`, built once its stage's units are loaded."""
-        if plan.key in self.planes:
-            return self.planes[plan.key]
+    def _plane_for(self, plan: PlanAssignment, loaded: LoadedStage) -> None:
+        """This peer's plane of `plan`, built once its stage's units are loaded; a member of
+        a group stage that is not its lead has no plane, only its share."""
+        if plan.key in self.planes or plan.key in self.groups:
+            return
+        executor = loaded.executor
+        if isinstance(executor, ShareRunner):
+            if loaded.group[0] != self.me:
+                self.groups[plan.key] = GroupMember(executor, loaded.group, self.transport,
+                                                    plan.key)
+                return
+            executor = self.groups[plan.key] = GroupLead(executor, loaded.group,
+                                                         self.transport, plan.key)
         ring = [(s.peer, s.first, s.last) for s in plan.stages]
-        plane = DataPlane(self.me, self.transport, ring, loaded.manifest, loaded.executor,
-                          self.fp16_wire, self.limits, plan.key, self.planes, self.unit_clock,
-                          self.exits)
-        self.planes[plan.key] = plane
-        return plane
+        self.planes[plan.key] = DataPlane(
+            self.me, self.transport, ring, loaded.manifest, executor, self.fp16_wire,
+            self.limits, plan.key, self.planes, self.unit_clock, self.exits)
+
+    def _close_groups_but(self, keep: str | None) -> None:
+        """Close the shares of other plans than `keep` where no plane of theirs serves on
+        (a lead's closes with its plane)."""
+        for key in [k for k in self.groups if k != keep and k not in self.planes]:
+            self.groups.pop(key).close()
 
     def _head(self, manifest: Manifest) -> Head:
         model = manifest.model
@@ -611,10 +630,13 @@ class Serving:
         finally:
             self.planes.pop(key, None)
             self._retiring.discard(key)
+            group = self.groups.pop(key, None)
+            if group is not None:
+                group.close()
 
     def handlers(self) -> dict[type, Handler]:
         """The kinds answered here: chats, and data messages for the plane of their plan."""
-        return dict.fromkeys((*PLANE_KINDS, *CHAT_KINDS), self._message)
+        return dict.fromkeys((*PLANE_KINDS, *CHAT_KINDS, *SHARE_KINDS), self._message)
 
     def _message(self, member: Member, message: Any, incoming: Incoming) -> None:
         self.handle(member.id, message, incoming.reply)
@@ -622,6 +644,14 @@ class Serving:
     def handle(self, sender: str, message: Any, reply: Callable[[Any], None]) -> None:
         if isinstance(message, CHAT_KINDS):
             self.chat.handle(sender, message)
+            return
+        if isinstance(message, SHARE_KINDS):
+            group = self.groups.get(message.plan)
+            if group is not None:
+                group.handle(sender, message)
+            else:
+                log.info("dropped %s from %s: no share of plan %s here", message.KIND, sender,
+                         message.plan)
             return
         plane = plane_of(self.planes, message)
         if plane is not None:
@@ -654,39 +684,56 @@ class Serving:
         """What `peerd status` shows of the data plane on this peer."""
         plane = self.plane
         answers = self.answers.status()
+        held = [*self._executors().values(), *(g.runner for g in self.groups.values())]
+        sequences = sum(e.sequence_count for e in held)
+        kv_bytes = sum(e.kv_bytes() for e in held)
         if plane is None:
-            return {"stage": None, "plans": [], "sequences": 0, "kv_bytes": 0, **answers}
+            return {"stage": None, "plans": [], "sequences": sequences, "kv_bytes": kv_bytes,
+                    "share": self._share(), **answers}
         counters = plane.worker.counters
-        executors = self._executors()
         return {
             "stage": plane.stage,
             "plan": plane.plan,
             "plans": list(self.planes),
+            "share": self._share(),
             "head": self.chat.head is not None,
-            "sequences": sum(e.sequence_count for e in executors.values()),
-            "kv_bytes": sum(e.kv_bytes() for e in executors.values()),
+            "sequences": sequences,
+            "kv_bytes": kv_bytes,
             "kept": len(self.answers.plane.prefixes) if self.answers.plane else 0,
             "exit": plane.exit_status(),
             **answers,
             **dataclasses.asdict(counters),
         }
 
-    def memory_bytes(self, loaded: StageExecutor | None, copies: Iterable[HeldUnit] = ()) -> int:
+    def _share(self) -> dict[str, Any] | None:
+        """This peer's share of the newest group stage it serves in, if any."""
+        group = next(reversed(self.groups.values()), None)
+        if group is None:
+            return None
+        return {"plan": group.plan, "index": group.runner.index,
+                "group": list(group.share.group)}
+
+    def memory_bytes(self, loaded: StageExecutor | ShareRunner | None,
+                     copies: Iterable[HeldUnit] = ()) -> int:
         """Bytes the weights and K/V of every stage this peer holds occupy: its planes' (an
         old plane's too, until it retires) and `loaded`, the newest, even before its plane,
         with the movable `copies` it holds beside them; a unit the old and the new stage
-        share runs in one session, counted once."""
+        share runs in one session, counted once. Of a group's share, its K/V."""
         executors = self._executors()
-        if loaded is not None:
+        if isinstance(loaded, StageExecutor):
             executors[id(loaded)] = loaded
-        return held_bytes(executors.values(), copies)
+        shares = sum(g.runner.kv_bytes() for g in self.groups.values())
+        return held_bytes(executors.values(), copies) + shares
 
     def _executors(self) -> dict[int, StageExecutor]:
-        """The stage executors of this peer's planes, once each (planes may share one)."""
-        return {id(p.worker.executor): p.worker.executor for p in self.planes.values()}
+        """The stage executors of this peer's planes, once each (planes may share one); a
+        group's lead runs its share instead."""
+        return {id(p.worker.executor): p.worker.executor for p in self.planes.values()
+                if isinstance(p.worker.executor, StageExecutor)}
 
     async def close(self) -> None:
         await self.chat.close()
         self._retire_all_but(None)
         await asyncio.gather(*(plane.close() for plane in list(self.planes.values())))
         await asyncio.gather(*self._retired, return_exceptions=True)
+        self._close_groups_but(None)

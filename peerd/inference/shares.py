@@ -50,10 +50,30 @@ Tensors = dict[str, np.ndarray]
 
 
 @dataclass(frozen=True)
+class ShareTag:
+    """What every message of one exchange is tagged with (and its sender, `share`)."""
+
+    plan: str
+    seq_id: str
+    step: int
+    unit: int
+    phase: SharePhase
+    share: int
+
+    def phase_of(self, phase: SharePhase) -> ShareTag:
+        return ShareTag(self.plan, self.seq_id, self.step, self.unit, phase, self.share)
+
+    def of(self, span: Span, rows: np.ndarray) -> ShareData:
+        return ShareData(self.plan, self.seq_id, self.step, self.unit, self.phase, self.share,
+                         span.start, span.stop, {"rows": np.ascontiguousarray(rows)})
+
+
+@dataclass(frozen=True)
 class Exchange:
     """One collective round as one share sees it: the messages it sends (to share index),
-    and the shares whose message of this round it waits for."""
+    and the shares whose message of this round (`tag`) it waits for."""
 
+    tag: ShareTag
     sends: tuple[tuple[int, ShareData], ...]
     expects: tuple[int, ...]
 
@@ -205,26 +225,26 @@ class ShareRunner:
         return self.kv.get(seq_id, {}).get(layer, (empty, empty))
 
     # -- collectives ---------------------------------------------------------------------------
-    def _message(self, seq_id: str, step: int, unit: int, phase: SharePhase) -> _Messages:
-        return _Messages(self.plan, seq_id, step, unit, phase, self.index)
+    def _message(self, seq_id: str, step: int, unit: int, phase: SharePhase) -> ShareTag:
+        return ShareTag(self.plan, seq_id, step, unit, phase, self.index)
 
-    def _all_gather(self, message: _Messages, state: _StepState, mine: np.ndarray):
+    def _all_gather(self, message: ShareTag, state: _StepState, mine: np.ndarray):
         """Every share's rows, in row order: mine to each other share, theirs to me."""
         others = [i for i in range(len(state.spans)) if i != self.index]
         sends = tuple((to, message.of(state.span, mine)) for to in others if state.span.size)
-        got = yield Exchange(sends, tuple(i for i in others if state.spans[i].size))
+        got = yield Exchange(message, sends, tuple(i for i in others if state.spans[i].size))
         pieces = [mine if i == self.index else _rows(got[i]) for i in range(len(state.spans))
                   if state.spans[i].size or i == self.index]
         return np.concatenate(pieces, axis=ROWS_AXIS)
 
-    def _reduce_scatter(self, message: _Messages, state: _StepState, partial: np.ndarray):
+    def _reduce_scatter(self, message: ShareTag, state: _StepState, partial: np.ndarray):
         """The sum of every share's partial at my rows, in share order."""
         reduce = message.phase_of(SharePhase.REDUCE)
         others = [i for i in range(len(state.spans)) if i != self.index]
         sends = tuple((to, reduce.of(state.spans[to], partial[:, state.spans[to].start :
                                                                 state.spans[to].stop]))
                       for to in others if state.spans[to].size)
-        got = yield Exchange(sends, tuple(others) if state.span.size else ())
+        got = yield Exchange(reduce, sends, tuple(others) if state.span.size else ())
         mine = partial[:, state.span.start : state.span.stop]
         if not state.span.size:
             return mine
@@ -240,9 +260,9 @@ class ShareRunner:
         shares = range(len(state.spans))
         if self.index != 0:
             sends = ((0, message.of(state.span, state.current)),) if state.span.size else ()
-            yield Exchange(sends, ())
+            yield Exchange(message, sends, ())
             return None
-        got = yield Exchange((), tuple(i for i in shares if i and state.spans[i].size))
+        got = yield Exchange(message, (), tuple(i for i in shares if i and state.spans[i].size))
         outputs = {}
         for name in self.outputs:
             if name != state.rows_name:
@@ -252,25 +272,6 @@ class ShareRunner:
                 [state.current, *(_rows(got[i]) for i in shares if i and state.spans[i].size)],
                 axis=ROWS_AXIS)
         return outputs
-
-
-@dataclass(frozen=True)
-class _Messages:
-    """The tag every message of one exchange carries."""
-
-    plan: str
-    seq_id: str
-    step: int
-    unit: int
-    phase: SharePhase
-    share: int
-
-    def phase_of(self, phase: SharePhase) -> _Messages:
-        return _Messages(self.plan, self.seq_id, self.step, self.unit, phase, self.share)
-
-    def of(self, span: Span, rows: np.ndarray) -> ShareData:
-        return ShareData(self.plan, self.seq_id, self.step, self.unit, self.phase, self.share,
-                         span.start, span.stop, {"rows": np.ascontiguousarray(rows)})
 
 
 def drive(schedule: Schedule, exchange: Callable[[Exchange], dict[int, ShareData]]
