@@ -11,7 +11,7 @@ import contextlib
 import numpy as np
 import pytest
 from ring import HOST, SECRET
-from sharding import share_units, sharded
+from sharding import sharded, share_units
 from waiting import answered, eventually
 
 from peerd.inference.groups import GroupLead, GroupLost, GroupMember
