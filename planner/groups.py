@@ -273,7 +273,7 @@ def best_by_kind(cluster: Cluster, workload: Workload, objective: str, prompt_to
     if prompt_tokens < 1:
         raise InvalidInput(f"the prompt must have at least 1 token, not {prompt_tokens}")
     best: dict[ShapeKind, Shape] = {}
-    for groups in groupings(cluster, workload):
+    for groups in _sized_groupings(cluster, workload, group_size):
         shape = _placed(cluster, workload, groups, objective, prompt_tokens)
         if shape and group_size and any(len(s.shares) != group_size for s in shape.stages):
             continue
@@ -290,6 +290,21 @@ def best_by_kind(cluster: Cluster, workload: Workload, objective: str, prompt_to
 def _rank(shape: Shape, objective: str) -> tuple[float, int]:
     """By the objective; at a tie, the shape using fewer peers."""
     return shape.predicted.objective(objective), sum(len(s.shares) for s in shape.stages)
+
+
+def _sized_groupings(cluster: Cluster, workload: Workload,
+                     group_size: int | None) -> Iterator[list[tuple[str, ...]]]:
+    """`groupings`; with `group_size`, only their groups of that size (the other peers
+    left out), where the source is in one, each set of groups once."""
+    seen: set[tuple[tuple[str, ...], ...]] = set()
+    for groups in groupings(cluster, workload):
+        if group_size:
+            groups = [g for g in groups if len(g) == group_size]
+            key = tuple(sorted(groups))
+            if key in seen or not any(cluster.source in g for g in groups):
+                continue
+            seen.add(key)
+        yield groups
 
 
 def groupings(cluster: Cluster, workload: Workload) -> Iterator[list[tuple[str, ...]]]:
@@ -341,11 +356,13 @@ def _placed(cluster: Cluster, workload: Workload, groups: list[tuple[str, ...]],
 
 def _speeds(cluster: Cluster, workload: Workload, peers: Sequence[str], units: range,
             tokens: int) -> list[float]:
-    """Each peer's speed on the shareable units among `units` (all units when none are)."""
+    """Each peer's speed on the shareable units among `units` (all units when none are);
+    units that cost nothing (an embedding lookup) leave the peers equally fast."""
     members = len(peers)
     chosen = [u for u in units if shared(workload.units[u], members)] or list(units)
-    return [1 / sum(member_unit_s(cluster, cluster.device(peer), u, workload.units[u], tokens)
-                    for u in chosen) for peer in peers]
+    seconds = [sum(member_unit_s(cluster, cluster.device(peer), u, workload.units[u], tokens)
+                   for u in chosen) for peer in peers]
+    return [1 / s if s > 0 else 1.0 for s in seconds]
 
 
 def _speed_shares(cluster: Cluster, workload: Workload, group: tuple[str, ...],

@@ -491,6 +491,21 @@ def test_the_plan_picture_shows_the_heads_exit():
     assert "speculative: 4 drafts from layer 8 · 5 of 20 drafts accepted (25%)" in picture
 
 
+def test_the_plan_picture_shows_a_group_stages_peers_and_shares():
+    known = {"a1": "desk", "b2": "laptop", "c3": "tv"}
+    shares = [{"peer": "a1", "weight": 2.0, "fraction": 0.5},
+              {"peer": "b2", "weight": 1.0, "fraction": 0.25},
+              {"peer": "c3", "weight": 1.0, "fraction": 0.25}]
+    status = {"model": {"units": 10}, "plan": {
+        "id": 7, "epoch": 2, "objective": "first-token", "solver": "groups", "model": "m",
+        "predicted": {"throughput_tps": 9.0}, "problem": None,
+        "stages": [{"peer": "a1", "units": list(range(10)), "shares": shares}]}}
+    picture = str(draw_plan(status, known, None, Measured()))
+    assert "group: desk 50% · laptop 25% · tv 25%" in picture
+    status["plan"]["stages"][0]["shares"] = []
+    assert "group:" not in str(draw_plan(status, known, None, Measured()))
+
+
 def _settled(running: LocalCluster):
     """A condition: peer0's status once its plan has stood, with every peer measured, for
     longer than a join takes to settle (a re-plan for a join would hide the rebalance)."""

@@ -1,7 +1,8 @@
 """The plan as a picture: the ring of stages, each peer's unit range drawn to scale over the
-model's units, the residual links (from the daemon's `plan` event), and the planner's
-predicted throughput beside the measured one. The bars are as long as the pane's width
-allows (BAR_WIDTH at most); a line still too long ends in an ellipsis, never wraps."""
+model's units (a group stage's peers under it, with their shares), the residual links (from
+the daemon's `plan` event), and the planner's predicted throughput beside the measured one.
+The bars are as long as the pane's width allows (BAR_WIDTH at most); a line still too long
+ends in an ellipsis, never wraps."""
 
 from __future__ import annotations
 
@@ -119,6 +120,18 @@ def _stage_line(index: int, stages: list[dict[str, Any]], total: int,
     fits = layout.width is None or line.cell_len + len(back) <= layout.width
     if index == count - 1 and count > 1 and fits:
         line.append(back, "dim")
+    line.append("\n")
+    if stages[index].get("shares"):
+        line.append_text(_group_line(stages[index]["shares"], known))
+    return line
+
+
+def _group_line(shares: list[dict[str, Any]], known: dict[str, str]) -> Text:
+    """A group stage's peers, the lead first, each with its share of every layer."""
+    line = Text("   group: ", "dim")
+    for index, share in enumerate(shares):
+        line.append(" · " if index else "").append(name_of(share["peer"], known), "bold")
+        line.append(f" {share['fraction']:.0%}")
     return line.append("\n")
 
 

@@ -284,7 +284,7 @@ async def test_newer_plans_replace_older_ones_and_stale_ones_are_ignored(toy_clu
                  "unloading")
     assert reports[-1].state == "ready" and reports[-1].units == ()
     assert deployment.plan_document()["stages"] == [{"peer": "model", "units": [0, 1, 2],
-                                                      "copies": []}]
+                                                      "copies": [], "shares": []}]
 
 
 async def test_a_failed_deployment_is_reported_and_retried_when_the_plan_comes_again(
