@@ -273,7 +273,7 @@ class Coordinator:
             log.info("plan %d: peer %s is %s (%s)", plan.plan_id, peer, report.state,
                      report.detail)
         if self.deployed and not was_deployed:
-            log.info("plan %d deployed on %d peers", plan.plan_id, len(plan.stages))
+            log.info("plan %d deployed on %d peers", plan.plan_id, len(plan.peers))
             return True
         return False
 

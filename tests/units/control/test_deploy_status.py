@@ -37,8 +37,9 @@ async def test_a_plan_shows_its_stages_prediction_and_the_model(tmp_path: Path):
     document = _document(deployment.plan_document(), model)
 
     assert document["plan"] == {
-        "id": 5, "epoch": 2, "stages": [{"peer": "bbbb", "units": [0, 1], "copies": []},
-                                       {"peer": "cccc", "units": [2], "copies": []}],
+        "id": 5, "epoch": 2, "stages": [
+            {"peer": "bbbb", "units": [0, 1], "copies": [], "shares": []},
+            {"peer": "cccc", "units": [2], "copies": [], "shares": []}],
         "objective": "throughput", "solver": "milp",
         "predicted": {"latency_s": 0.0042, "throughput_tps": 310.0, "bottleneck_s": 0.0032},
         "predicted_at_planning": {"latency_s": 0.0042, "throughput_tps": 310.0,
