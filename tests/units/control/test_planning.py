@@ -12,7 +12,7 @@ from toy_units import ToyModel, write_toy
 
 from peerd.api.plan_events import plan_events
 from peerd.commands.cli import build_parser
-from peerd.control.coordinator import Coordinator
+from peerd.control.coordinator import Coordinator, Shapes
 from peerd.control.planning import (
     cluster_from_report,
     context_for,
@@ -21,6 +21,7 @@ from peerd.control.planning import (
 )
 from peerd.control.rebalance import Policy
 from peerd.daemon.start import options_from_args
+from peerd.errors import PeerdError
 from peerd.wire.protocol import (
     Battery,
     ClusterReport,
@@ -430,3 +431,46 @@ async def test_with_no_room_the_leader_tries_again_as_figures_change(manifest):
     eased = await leader.step(report(figures("a", SMALL, model="toy"), figures("b", SMALL)),
                               members=("a", "b"))
     assert eased.stages and eased.plan_id > stuck.plan_id
+
+
+# -- groups (tensor parallel) ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("argv", "problem"), [
+    (["--tensor-parallel", "1"], "--tensor-parallel 1: a group has 2 peers or more"),
+    (["--tensor-parallel", "2", "--shapes"], "give one"),
+    (["--shapes", "--early-exit", "0.8"], "do not run on groups yet"),
+    (["--tensor-parallel", "2", "--quant", "int8"], "groups run unquantised share units"),
+    (["--objective", "first-token"], "give --shapes or --tensor-parallel N too"),
+])
+def test_group_flags_that_cannot_work_are_refused_at_start(tmp_path, argv, problem):
+    args = build_parser().parse_args(["start", "--state-dir", str(tmp_path), *argv])
+    with pytest.raises(PeerdError, match=problem):
+        options_from_args(args)
+
+
+def _layered(manifest: Manifest, kv_heads: int) -> Manifest:
+    """The toy model as if its middle unit were a layer's attention of `kv_heads` KV heads."""
+    units = list(manifest.units)
+    units[1] = dataclasses.replace(units[1], name="layer0.attn")
+    model = dataclasses.replace(manifest.model, num_heads=kv_heads, num_kv_heads=kv_heads,
+                                head_dim=4, intermediate_size=64)
+    return dataclasses.replace(manifest, model=model, units=tuple(units))
+
+
+async def test_the_leader_plans_groups_of_the_size_asked_or_says_why_not(manifest):
+    measured = report(figures("a", model="toy"), figures("b"), figures("c"))
+    leader = Leader(_layered(manifest, kv_heads=2))
+    leader.coordinator.shapes = Shapes(2)
+    plan = await leader.step(measured)
+    assert plan.solver == "groups" and plan.problem is None
+    (group,) = [s for s in plan.stages if s.shares]
+    assert len(group.shares) == 2 and group.shares[0].peer == group.peer == "a"
+    assert set(plan.peers) <= {"a", "b", "c"}
+    cases = [(_layered(manifest, 2), 3, "the model's layers split 2 ways at most"),
+             (_layered(manifest, 8), 4, "--tensor-parallel 4 needs 4 peers; 3 can take work"),
+             (manifest, 2, "the model's manifest predates groups")]
+    for served, size, problem in cases:
+        leader = Leader(served)
+        leader.coordinator.shapes = Shapes(size)
+        assert problem in ((await leader.step(measured)).problem or "")
