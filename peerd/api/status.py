@@ -169,10 +169,18 @@ def _model_and_plan(
     )
     lines.append(_measured_line(plan["measured"]))
     lines += [
-        f"        units {s['units'][0]}-{s['units'][-1]} on {names.get(s['peer'], s['peer'])}"
+        f"        units {s['units'][0]}-{s['units'][-1]} on {_stage_peers(s, names)}"
         for s in plan["stages"]
     ]
     return lines
+
+
+def _stage_peers(stage: dict[str, Any], names: dict[str, str]) -> str:
+    """A stage's peer, or a group's peers with their shares ("a 50% + b 50%")."""
+    if not stage.get("shares"):
+        return names.get(stage["peer"], stage["peer"])
+    return " + ".join(f"{names.get(s['peer'], s['peer'])} {s['fraction']:.0%}"
+                      for s in stage["shares"])
 
 
 def _measured_line(measured: dict[str, Any] | None) -> str:

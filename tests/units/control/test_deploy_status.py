@@ -11,7 +11,7 @@ from peerd.cluster import election, membership
 from peerd.control.coordinator import ModelStatus
 from peerd.control.deploy import Deployment
 from peerd.control.unit_store import UnitStore
-from peerd.wire.protocol import PlanAssignment, PlanFigures, PlanStage
+from peerd.wire.protocol import PlanAssignment, PlanFigures, PlanShare, PlanStage
 
 ME = status.SelfInfo("aaaa", "desk", "i1", "c0ffee00", "10.0.0.1",
                      {"hello": 7000, "control": 7001, "data": 7002})
@@ -69,3 +69,20 @@ def test_no_plan_and_an_impossible_plan_say_so():
     text = status.render(_document(impossible, sharding))
     assert "model   toy on bbbb: sharding" in text
     assert "plan    none: model needs 1.1 MB at beta 0.7; usable peers offer 0.7 MB" in text
+
+
+async def test_a_group_stage_lists_its_peers_and_shares(tmp_path: Path):
+    manifest = write_toy(tmp_path / "toy", ToyModel())
+    deployment = Deployment("dddd", UnitStore(tmp_path / "store"), lambda peer: None,
+                            lambda report: None)
+    group = (PlanShare("bbbb", 3.0), PlanShare("cccc", 1.0))
+    deployment.assign(PlanAssignment(
+        2, 5, (PlanStage("bbbb", 0, 2, shares=group),), "toy", "bbbb", manifest.to_dict(),
+        "first-token", "groups", PlanFigures(0.0042, 310.0, 0.0032), None))
+    await deployment.close()
+    document = _document(deployment.plan_document(), None)
+    assert document["plan"]["stages"] == [{
+        "peer": "bbbb", "units": [0, 1, 2], "copies": [],
+        "shares": [{"peer": "bbbb", "weight": 3.0, "fraction": 0.75},
+                   {"peer": "cccc", "weight": 1.0, "fraction": 0.25}]}]
+    assert "units 0-2 on bbbb 75% + cccc 25%" in status.render(document)
