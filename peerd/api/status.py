@@ -178,7 +178,7 @@ def _model_and_plan(
 def _stage_peers(stage: dict[str, Any], names: dict[str, str]) -> str:
     """A stage's peer, or a group's peers with their shares ("a 50% + b 50%")."""
     if not stage.get("shares"):
-        return names.get(stage["peer"], stage["peer"])
+        return str(names.get(stage["peer"], stage["peer"]))
     return " + ".join(f"{names.get(s['peer'], s['peer'])} {s['fraction']:.0%}"
                       for s in stage["shares"])
 
