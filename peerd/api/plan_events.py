@@ -31,7 +31,9 @@ def plan_event(plan: PlanAssignment) -> dict[str, Any]:
         "plan_id": plan.plan_id,
         "epoch": plan.epoch,
         "reason": plan.reason,
-        "stages": [{"peer": s.peer, "first": s.first, "last": s.last} for s in plan.stages],
+        "stages": [{"peer": s.peer, "first": s.first, "last": s.last,
+                    "shares": [{"peer": x.peer, "weight": x.weight} for x in s.shares]}
+                   for s in plan.stages],
         "predicted": predicted,
         "problem": plan.problem,
         "residuals": _residual_links(plan),

@@ -467,6 +467,9 @@ async def test_the_leader_plans_groups_of_the_size_asked_or_says_why_not(manifes
     (group,) = [s for s in plan.stages if s.shares]
     assert len(group.shares) == 2 and group.shares[0].peer == group.peer == "a"
     assert set(plan.peers) <= {"a", "b", "c"}
+    (event,) = plan_events(plan)
+    assert [s["shares"] for s in event["stages"] if s["shares"]] == [
+        [{"peer": x.peer, "weight": x.weight} for x in group.shares]]
     cases = [(_layered(manifest, 2), 3, "the model's layers split 2 ways at most"),
              (_layered(manifest, 8), 4, "--tensor-parallel 4 needs 4 peers; 3 can take work"),
              (manifest, 2, "the model's manifest predates groups")]
