@@ -27,6 +27,7 @@ from peerd.inference.shares import Exchange, ShareRunner, ShareTag, Tensors, dri
 from peerd.wire.protocol import Message, ShareData, ShareDrop, ShareStep
 from peerd.wire.transport import Transport, TransportError
 from shards.executor import Outcome
+from shards.manifest import Manifest
 
 log = logging.getLogger("peerd.inference.groups")
 
@@ -127,6 +128,10 @@ class GroupLead:
         self.first, self.last = runner.first, runner.last
         self.exit = None  # no early exit on groups (yet)
         self._steps: dict[str, int] = {}
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.runner.manifest
 
     @property
     def inputs(self) -> tuple[str, ...]:

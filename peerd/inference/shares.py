@@ -292,7 +292,7 @@ class ShareStage:
     def __init__(self, manifest: Manifest, directory: Path, first: int, last: int,
                  units: ShareUnits, options: ExecutorOptions | None = None,
                  plan: str = "local") -> None:
-        self.first, self.last = first, last
+        self.manifest, self.first, self.last = manifest, first, last
         self.shares = [ShareRunner(manifest, directory, first, last, units, i, options, plan)
                        for i in range(len(units.shares))]
         self.inputs = self.shares[0].inputs
