@@ -202,11 +202,12 @@ class GroupLead:
         raise ValueError("a group stage has no early exit")
 
     def handle(self, sender: str, message: Message) -> None:
-        if isinstance(message, ShareData):
-            self.share.receive(sender, message)
-        else:
-            log.warning("dropped %s from %s: the lead of a group takes share data only",
-                        message.KIND, sender)
+        match message:
+            case ShareData():
+                self.share.receive(sender, message)
+            case _:
+                log.warning("dropped %s from %s: the lead of a group takes share data only",
+                            message.KIND, sender)
 
     def close(self) -> None:
         self.share.close()
@@ -225,17 +226,19 @@ class GroupMember:
 
     def handle(self, sender: str, message: Message) -> None:
         """A share message of this plan: steps and drops come from the lead alone."""
-        if isinstance(message, ShareData):
-            self.share.receive(sender, message)
-        elif isinstance(message, ShareStep) and sender == self.share.group[0]:
-            if not self.closed:
+        from_lead = sender == self.share.group[0]
+        match message:
+            case ShareData():
+                self.share.receive(sender, message)
+            case ShareStep() if from_lead and not self.closed:
                 self._compute.submit(self._run, message)
-        elif isinstance(message, ShareDrop) and sender == self.share.group[0]:
-            if not self.closed:  # after the steps handed before it
+            case ShareDrop() if from_lead and not self.closed:  # after the steps handed before
                 self._compute.submit(self._drop, message)
-        else:
-            log.warning("dropped %s from %s: not for share %d", message.KIND, sender,
-                        self.runner.index)
+            case ShareStep() | ShareDrop() if from_lead:  # the stage closed meanwhile
+                pass
+            case _:
+                log.warning("dropped %s from %s: not for share %d", message.KIND, sender,
+                            self.runner.index)
 
     def _run(self, message: ShareStep) -> None:
         try:
