@@ -3,7 +3,8 @@ cluster of daemons gives transformers' greedy answer.
 
 Every peer starts with `--tensor-parallel N` (the leader's counts): Llama with grouped-query
 attention (6 heads over 3 KV heads) at N = 3 (one group of all three) and N = 2 (a group of
-two, as planner.groups places it), and GPT-2 (biases on the row-split projections) at N = 2.
+two, as planner.groups places it), and GPT-2 (biases on the row-split projections) at N = 2
+and N = 3.
 The plan, as `peerd status --json` shows it, lists each group stage's peers and shares; the
 members hold their share of the stage's units.
 """
@@ -27,6 +28,7 @@ CASES = {
     "llama-3": ("llama", {"heads": 6, "kv_heads": 3, "hidden": 48}, 3),
     "llama-2": ("llama", {"heads": 6, "kv_heads": 3, "hidden": 48}, 2),
     "gpt2-2": ("gpt2", {"heads": 6, "hidden": 48}, 2),
+    "gpt2-3": ("gpt2", {"heads": 6, "hidden": 48}, 3),
 }
 
 
