@@ -14,6 +14,7 @@ Rows, each a fresh cluster:
 For each row, after a warm-up answer: time to first token of `--prompts` prompts of
 `--prompt-tokens` random token ids (median; the chat stats' time_to_first_token_s) and decode
 tokens/s of answers of `--tokens` new tokens (median of the chat stats' tokens_per_second).
+A row whose answer fails is printed with the cluster's reason and counts as the slowest.
 
 Then the planner's choice: two daemons started with `--shapes --objective first-token`, and
 again with `--objective latency`: the shape the leader deploys is its predicted winner for
@@ -28,13 +29,14 @@ Targets (issue 19, fast link): time to first token one device / group >= 1.6 and
 pipeline / group >= 1.3; on the slow link the planner's predicted winner is the measured
 winner.
 
-    .venv/bin/python -m bench.hybrid [--dir DIR] [--prompt-tokens 512] [--slow-mbit 20]
+    .venv/bin/python -m bench.hybrid [--dir DIR] [--prompt-tokens 512] [--slow-mbit 100]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import random
 import signal
 import statistics
@@ -50,6 +52,7 @@ from bench.namespaced import load_average, netns, note, serving, shard_once, use
 from bench.workdir import run_in
 from peerd.commands.chat import stream_answer
 from peerd.commands.local_cluster import budget_share
+from peerd.errors import PeerdError
 from shards.manifest import Manifest
 
 SHAPE = LlamaShape(layers=12, hidden=1024, intermediate=2816, heads=16, kv_heads=4)
@@ -78,8 +81,9 @@ PLANNED = {"first token": ("--shapes", "--objective", "first-token"),
 class Measured:
     label: str
     shape: str
-    first_token_s: float
-    decode_tps: float
+    first_token_s: float  # inf where the row could not answer
+    decode_tps: float  # 0 where the row could not answer
+    failed: str | None = None
 
 
 def main() -> int:
@@ -148,15 +152,24 @@ def _measure(row: Row, dirs: list[Path], model_dir: Path, manifest: Manifest,
         head, plan = serving(peers)
         shape = _shape(plan)
         note(f"  serving after {time.monotonic() - started:.0f}s: {shape}")
-        stream_answer(head.state_dir, _request(WARM_UP, 4))
-        first = [stream_answer(head.state_dir, _request(p, 1))["stats"]["time_to_first_token_s"]
-                 for p in prompts]
-        decode = [stream_answer(head.state_dir, _request(p[:32], args.tokens))["stats"]
-                  ["tokens_per_second"] for p in prompts]
-    measured = Measured(row.label, shape, statistics.median(first), statistics.median(decode))
+        try:
+            measured = _answers(row.label, shape, head, prompts, args)
+        except PeerdError as exc:
+            note(f"  could not answer: {exc}")
+            return Measured(row.label, shape, math.inf, 0.0, failed=str(exc))
     note(f"  first token {measured.first_token_s * 1e3:.0f} ms, decode "
          f"{measured.decode_tps:.1f} tokens/s")
     return measured
+
+
+def _answers(label: str, shape: str, head: netns.Peer, prompts: list[list[int]],
+             args: argparse.Namespace) -> Measured:
+    stream_answer(head.state_dir, _request(WARM_UP, 4))
+    first = [stream_answer(head.state_dir, _request(p, 1))["stats"]["time_to_first_token_s"]
+             for p in prompts]
+    decode = [stream_answer(head.state_dir, _request(p[:32], args.tokens))["stats"]
+              ["tokens_per_second"] for p in prompts]
+    return Measured(label, shape, statistics.median(first), statistics.median(decode))
 
 
 def _planned(flags: tuple[str, ...], dirs: list[Path], model_dir: Path,
@@ -187,8 +200,9 @@ def _table(link: str, rows: list[Measured], predicted: dict[str, str], before: s
     print(f"\n{link}; load average before {before}, after {load_average()}")
     print(f"{'row':<12} {'deployed':<12} {'first token':>12} {'decode':>10}")
     for row in rows:
-        print(f"{row.label:<12} {row.shape:<12} {row.first_token_s * 1e3:>9.0f} ms "
-              f"{row.decode_tps:>6.1f} t/s")
+        figures = (f"could not answer: {row.failed}" if row.failed else
+                   f"{row.first_token_s * 1e3:>9.0f} ms {row.decode_tps:>6.1f} t/s")
+        print(f"{row.label:<12} {row.shape:<12} {figures}")
     group = by["group"].first_token_s
     print(f"first token: one device / group x{by['one device'].first_token_s / group:.2f} "
           f"(target >= 1.6), pipeline / group x{by['pipeline'].first_token_s / group:.2f} "
@@ -209,8 +223,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", type=int, default=3, help="prompts per row (default 3)")
     parser.add_argument("--tokens", type=int, default=32,
                         help="new tokens of each decode answer (default 32)")
-    parser.add_argument("--slow-mbit", type=float, default=20.0,
-                        help="each namespace's egress in Mbit/s on the slow link (default 20)")
+    parser.add_argument("--slow-mbit", type=float, default=100.0,
+                        help="each namespace's egress in Mbit/s on the slow link (default 100)")
     return parser
 
 
