@@ -44,7 +44,6 @@ printed beside each model's table.
 from __future__ import annotations
 
 import argparse
-import signal
 import statistics
 import sys
 import time
@@ -57,11 +56,10 @@ from bench.namespaced import (
     load_average,
     netns,
     note,
+    run_bench,
     serving,
     shard_once,
-    use_this_checkout,
 )
-from bench.workdir import run_in
 from peerd.commands.chat import stream_answer
 from peerd.commands.local_cluster import budget_for
 from shards.manifest import Manifest
@@ -107,15 +105,7 @@ class Model:
 
 def main() -> int:
     args = _parser().parse_args()
-    reason = netns.unavailable_reason()
-    if reason:
-        print(f"bench.early_exit: cannot run: {reason}", file=sys.stderr)
-        return 2
-    for signum in (signal.SIGTERM, signal.SIGHUP):  # unwind: remove namespaces and daemons
-        signal.signal(signum, lambda number, _frame: sys.exit(128 + number))
-    use_this_checkout()
-    run_in(args.dir, lambda root: _bench(root, args))
-    return 0
+    return run_bench("bench.early_exit", args.dir, lambda root: _bench(root, args))
 
 
 def _bench(root: Path, args: argparse.Namespace) -> None:

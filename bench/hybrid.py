@@ -38,7 +38,6 @@ import argparse
 import contextlib
 import math
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -48,8 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.llama_checkpoint import LlamaShape, reusable_llama
-from bench.namespaced import load_average, netns, note, serving, shard_once, use_this_checkout
-from bench.workdir import run_in
+from bench.namespaced import load_average, netns, note, run_bench, serving, shard_once
 from peerd.commands.chat import stream_answer
 from peerd.commands.local_cluster import budget_share
 from peerd.errors import PeerdError
@@ -88,15 +86,7 @@ class Measured:
 
 def main() -> int:
     args = _parser().parse_args()
-    reason = netns.unavailable_reason()
-    if reason:
-        print(f"bench.hybrid: cannot run: {reason}", file=sys.stderr)
-        return 2
-    for signum in (signal.SIGTERM, signal.SIGHUP):  # unwind: remove namespaces and daemons
-        signal.signal(signum, lambda number, _frame: sys.exit(128 + number))
-    use_this_checkout()
-    run_in(args.dir, lambda root: _bench(root, args))
-    return 0
+    return run_bench("bench.hybrid", args.dir, lambda root: _bench(root, args))
 
 
 def _bench(root: Path, args: argparse.Namespace) -> None:

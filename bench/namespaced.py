@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -17,16 +19,28 @@ sys.path.insert(0, str(ROOT / "tests"))
 import netns  # noqa: E402  # pyright: ignore[reportMissingImports] (tests/ is on sys.path)
 from streaming import head_of  # noqa: E402  # pyright: ignore[reportMissingImports]
 
+from bench.workdir import run_in  # noqa: E402
 from shards.cli import SHARDS_SUBDIR  # noqa: E402
 from shards.manifest import Manifest  # noqa: E402
 
 SHARDED_S, DEPLOYED_S = 300, 300
 
 
-def use_this_checkout() -> None:
-    """The daemons and `peerd shard` run this checkout's code, wherever peerd is installed."""
+def run_bench(name: str, directory: str | None, bench: Callable[[Path], None]) -> int:
+    """Run `bench` in `directory` (a temporary one when None), or say in one line why
+    namespaces cannot be had here (exit 2). The daemons and `peerd shard` run this
+    checkout's code, wherever peerd is installed; a SIGTERM or SIGHUP unwinds, removing
+    namespaces and daemons."""
+    reason = netns.unavailable_reason()
+    if reason:
+        print(f"{name}: cannot run: {reason}", file=sys.stderr)
+        return 2
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda number, _frame: sys.exit(128 + number))
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    run_in(directory, bench)
+    return 0
 
 
 def shard_once(root: Path, model_dir: Path, peers: int) -> tuple[Manifest, list[Path]]:

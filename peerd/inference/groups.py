@@ -23,7 +23,14 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from peerd.inference.shares import Exchange, ShareRunner, ShareTag, Tensors, drive
+from peerd.inference.shares import (
+    Exchange,
+    ShareRunner,
+    ShareTag,
+    Tensors,
+    drive,
+    one_by_one,
+)
 from peerd.wire.protocol import Message, ShareData, ShareDrop, ShareStep
 from peerd.wire.transport import Transport, TransportError
 from shards.executor import Outcome
@@ -147,16 +154,10 @@ class GroupLead:
 
     def step_many(self, steps: Sequence[tuple[str, Tensors]],
                   unit_s: dict[int, float] | None = None) -> list[Outcome]:
-        """Each step in turn, handed to the members first: its outputs, or its exception."""
-        outcomes: list[Outcome] = []
-        for seq_id, inputs in steps:
-            try:
-                outcomes.append(self._step(seq_id, inputs))
-            except Exception as exc:  # ONNX Runtime's errors derive from Exception alone
-                outcomes.append(exc)
-        return outcomes
+        return one_by_one(self._step, steps)
 
     def _step(self, seq_id: str, inputs: Tensors) -> Tensors:
+        """One step, handed to the members first."""
         step = self._steps.get(seq_id, 0)
         self._steps[seq_id] = step + 1
         handed = ShareStep(self.plan, seq_id, step, dict(inputs))

@@ -286,6 +286,18 @@ def drive(schedule: Schedule, exchange: Callable[[Exchange], dict[int, ShareData
         return done.value
 
 
+def one_by_one(step: Callable[[str, Tensors], Tensors],
+               steps: Sequence[tuple[str, Tensors]]) -> list[Outcome]:
+    """Each step in turn (shares run no batches yet): its outputs, or its exception."""
+    outcomes: list[Outcome] = []
+    for seq_id, inputs in steps:
+        try:
+            outcomes.append(step(seq_id, inputs))
+        except Exception as exc:  # ONNX Runtime's errors derive from Exception alone
+            outcomes.append(exc)
+    return outcomes
+
+
 class ShareStage:
     """Units [first, last] of `manifest` run as len(units.shares) shares in one process."""
 
@@ -302,14 +314,7 @@ class ShareStage:
 
     def step_many(self, steps: Sequence[tuple[str, Tensors]],
                   unit_s: dict[int, float] | None = None) -> list[Outcome]:
-        """Each step in turn: its outputs, or the exception it raised."""
-        outcomes: list[Outcome] = []
-        for seq_id, inputs in steps:
-            try:
-                outcomes.append(self.step(seq_id, inputs))
-            except Exception as exc:  # ONNX Runtime's errors derive from Exception alone
-                outcomes.append(exc)
-        return outcomes
+        return one_by_one(self.step, steps)
 
     def step(self, seq_id: str, inputs: Tensors) -> Tensors:
         """Every share's schedule in lockstep, each round's messages through the codec."""
