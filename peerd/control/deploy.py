@@ -47,7 +47,7 @@ from peerd.wire.protocol import (
     SharesOffer,
     SharesRequest,
 )
-from peerd.wire.states import DeployState
+from peerd.wire.states import DeployState, ExportState
 from shards.early_exit import ExitPoint, ExitSettings, exit_point, last_exit_layer
 from shards.executor import ExecutorOptions, HeldUnit, SessionShelf, StageExecutor
 from shards.manifest import Manifest, ManifestError, Unit, UnitFile
@@ -255,9 +255,9 @@ class Deployment:
             raise ValueError("this peer cannot ask for share units")
         while True:
             offer = await self._ask_shares(model_peer, request)
-            if offer.state == "ready":
+            if offer.state == ExportState.READY:
                 return offer
-            if offer.state == "failed":
+            if offer.state == ExportState.FAILED:
                 raise ValueError(f"the model peer cannot export share units: {offer.detail}")
             if self.progress.detail != (detail := f"model peer exporting: {offer.detail}"):
                 self._set(DeployState.FETCHING, detail=detail)

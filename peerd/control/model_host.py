@@ -42,7 +42,7 @@ from peerd.wire.protocol import (
     SharesRequest,
     ShareUnitFiles,
 )
-from peerd.wire.states import ModelState
+from peerd.wire.states import ExportState, ModelState
 from shards.cache import ShardOptions, cached
 from shards.cli import SHARDS_SUBDIR
 from shards.manifest import Manifest, ManifestError, Quant
@@ -163,7 +163,8 @@ class ModelHost:
         restart with the same ones exports nothing), in a child process (torch)."""
         manifest, directory = self.manifest, self.directory
         if manifest is None or directory is None or request.model != manifest.key:
-            return SharesOffer(request.req, "failed", f"peer serves no model {request.model}")
+            return SharesOffer(request.req, ExportState.FAILED,
+                               f"peer serves no model {request.model}")
         key = _bundle_key(request)
         bundle = self._bundles.get(key)
         if bundle is None:
@@ -191,7 +192,7 @@ class ModelHost:
                 log.info("share units: %s", text)
         found = read_bundle(bundle.out) if await process.wait() == 0 else None
         if found is None:
-            bundle.state = "failed"
+            bundle.state = ExportState.FAILED
             log.error("share units of units %d-%d: %s", request.first, request.last,
                       bundle.detail)
             return
@@ -232,7 +233,7 @@ class _Bundle:
     """A group stage's share units, exported (or being exported) into `out`."""
 
     out: Path
-    state: str = "exporting"
+    state: ExportState = ExportState.EXPORTING
     detail: str = "starting"
     document: dict[str, Any] | None = None
     files: dict[str, Path] = dataclasses.field(default_factory=dict)  # by sha256
@@ -240,13 +241,13 @@ class _Bundle:
     process: asyncio.subprocess.Process | None = None
 
     def ready(self, document: dict[str, Any]) -> None:
-        self.state, self.detail, self.document = "ready", "exported", document
+        self.state, self.detail, self.document = ExportState.READY, "exported", document
         self.files = {f["sha256"]: self.out / f["name"]
                       for unit in document["units"] for f in unit["files"]}
 
     def offer(self, req: int) -> SharesOffer:
         document = self.document
-        if self.state != "ready" or document is None:
+        if self.state != ExportState.READY or document is None:
             return SharesOffer(req, self.state, self.detail)
         units = tuple(ShareUnitFiles(u["layer"], u["half"], u["share"],
                                      tuple(ShareFile(**f) for f in u["files"]),
@@ -255,7 +256,8 @@ class _Bundle:
         tensors = {f"norm.{name}.{part}": np.asarray(values, np.float32)
                    for name, norm in document["norms"].items()
                    for part, values in norm.items() if values is not None}
-        return SharesOffer(req, "ready", self.detail, units, document["residual_post_norm"],
+        return SharesOffer(req, ExportState.READY, self.detail, units,
+                           document["residual_post_norm"],
                            float(document["eps"]), tensors)
 
 

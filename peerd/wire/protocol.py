@@ -31,7 +31,12 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 import msgpack
 import numpy as np
 
-from peerd.wire.states import OFFERED_MODEL_STATES, REPORTED_DEPLOY_STATES, ModelState
+from peerd.wire.states import (
+    OFFERED_MODEL_STATES,
+    REPORTED_DEPLOY_STATES,
+    ExportState,
+    ModelState,
+)
 from shards.sampling import Distribution
 
 PROTOCOL_VERSION = 4
@@ -1109,9 +1114,9 @@ class SharesOffer:
     tensors: Tensors = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        _require(self.state in ("exporting", "ready", "failed"),
-                 f"shares-offer: unknown state {self.state!r}")
-        _require(self.state == "ready" or not self.units, "shares-offer: units before ready")
+        _require(self.state in set(ExportState), f"shares-offer: unknown state {self.state!r}")
+        _require(self.state == ExportState.READY or not self.units,
+                 "shares-offer: units before ready")
 
 
 def encode(msg: Message) -> list[bytes | memoryview]:

@@ -1,6 +1,7 @@
-"""The states a model peer's sharding and a peer's deployment of a plan go through, defined
-once. They are `StrEnum`s: on the wire (ManifestOffer, DeployReport) and in the status
-document they are their plain string values."""
+"""The states a model peer's sharding, its export of a group's share units and a peer's
+deployment of a plan go through, defined once. They are `StrEnum`s: on the wire
+(ManifestOffer, SharesOffer, DeployReport) and in the status document they are their plain
+string values."""
 
 from __future__ import annotations
 
@@ -12,6 +13,14 @@ class ModelState(enum.StrEnum):
     READY = "ready"
     FAILED = "failed"
     UNKNOWN = "unknown"  # a peer that only heard of the model (status only, never sent)
+
+
+class ExportState(enum.StrEnum):
+    """A group stage's share units on the model peer (SharesOffer)."""
+
+    EXPORTING = "exporting"
+    READY = "ready"
+    FAILED = "failed"
 
 
 class DeployState(enum.StrEnum):
