@@ -90,7 +90,7 @@ class Sampler:
     def _processed(self, row: np.ndarray) -> np.ndarray:
         """The distribution this sampler draws from for a row of logits, dense."""
         ids, weights = _candidates(np.asarray(row, dtype=np.float64), self.params)
-        return np.bincount(ids, weights, minlength=row.size) / weights.sum()
+        return _dense(ids, weights, row.size)
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,7 @@ class Distribution:
         return _pick(self.ids, self.probs.astype(np.float64), u)
 
     def dense(self, vocab: int) -> np.ndarray:
-        weights = self.probs.astype(np.float64)
-        return np.bincount(self.ids, weights, minlength=vocab) / weights.sum()
+        return _dense(self.ids, self.probs.astype(np.float64), vocab)
 
 
 def distribution(logits: np.ndarray, params: SamplingParams) -> Distribution:
@@ -168,6 +167,11 @@ def speculative_token(p: np.ndarray, q: np.ndarray, draft: int, u: float) -> int
     weights = residual(p, q, draft)
     support = np.flatnonzero(weights)
     return _pick(support, weights[support], (u - accept) / (1.0 - accept))
+
+
+def _dense(ids: np.ndarray, weights: np.ndarray, vocab: int) -> np.ndarray:
+    """`[vocab]` probabilities from the (unnormalised) weights of `ids`, repeats summed."""
+    return np.bincount(ids, weights, minlength=vocab) / weights.sum()
 
 
 def _pick(ids: np.ndarray, weights: np.ndarray, u: float) -> int:
