@@ -119,6 +119,12 @@ class Unit:
         """The ONNX graph's outputs: the unit's outputs, then its state outputs."""
         return tuple(o.name for o in self.outputs) + tuple(s.output for s in self.state)
 
+    @property
+    def sampled(self) -> bool:
+        """It gives what the request samples from (the LM head's logits): a step needs it
+        only at the positions whose tokens are drawn."""
+        return any(REQUEST in out.consumers for out in self.outputs)
+
     def output(self, name: str) -> UnitOutput:
         for out in self.outputs:
             if out.name == name:

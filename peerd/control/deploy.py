@@ -39,7 +39,7 @@ from typing import Any
 from peerd.cluster.unit_clock import UnitClock
 from peerd.control.unit_store import UnitStore
 from peerd.control.unit_transfer import CHUNK_BYTES, Ask, fetch_file
-from peerd.inference.shares import EMBED, HEAD, ShareRunner
+from peerd.inference.shares import ShareRunner, whole_units
 from peerd.wire.protocol import (
     DeployReport,
     PlanAssignment,
@@ -222,12 +222,13 @@ class Deployment:
     async def _deploy_share(self, plan: PlanAssignment, stage: PlanStage, manifest: Manifest,
                             model_peer: str) -> None:
         """Load this peer's share of a group stage: its share units (exported by the model
-        peer for the stage's weights), and the stage's embedding and head units whole."""
+        peer for the stage's weights), and the model's own units it runs whole: the
+        embedding, and on the lead the head (shares.whole_units)."""
         index = stage.peers.index(self.me)
         offer = await self._share_offer(model_peer, SharesRequest(
             0, manifest.key, stage.first, stage.last, stage.weights))
         whole = tuple(u for u in manifest.units[stage.first : stage.last + 1]
-                      if u.name in (EMBED, HEAD))
+                      if u.name in whole_units(index))
         paths, missing = await self._unit_paths(whole)
         mine = [u for u in offer.units if u.share == index]
         share_paths: dict[tuple[int, str], Path] = {}

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from peerd.inference.shares import (
@@ -97,9 +97,10 @@ class _Share:
         self.mailbox = Mailbox()
         self.loop = asyncio.get_running_loop()
 
-    def run(self, seq_id: str, step: int, inputs: Tensors) -> Tensors | None:
+    def run(self, seq_id: str, step: int, inputs: Tensors,
+            rows: int | None = None) -> Tensors | None:
         """This share's part of the step, on the compute thread."""
-        return drive(self.runner.schedule(seq_id, step, inputs), self._exchange)
+        return drive(self.runner.schedule(seq_id, step, inputs, rows), self._exchange)
 
     def _exchange(self, exchange: Exchange) -> dict[int, ShareData]:
         if exchange.sends:
@@ -153,16 +154,17 @@ class GroupLead:
         return self.share.group
 
     def step_many(self, steps: Sequence[tuple[str, Tensors]],
-                  unit_s: dict[int, float] | None = None) -> list[Outcome]:
-        return one_by_one(self._step, steps)
+                  unit_s: dict[int, float] | None = None,
+                  rows: Mapping[str, int] | None = None) -> list[Outcome]:
+        return one_by_one(self._step, steps, rows)
 
-    def _step(self, seq_id: str, inputs: Tensors) -> Tensors:
+    def _step(self, seq_id: str, inputs: Tensors, rows: int | None) -> Tensors:
         """One step, handed to the members first."""
         step = self._steps.get(seq_id, 0)
         self._steps[seq_id] = step + 1
         handed = ShareStep(self.plan, seq_id, step, dict(inputs))
         self.share.call(self.share.send([(i, handed) for i in range(1, len(self.group))]))
-        outputs = self.share.run(seq_id, step, inputs)
+        outputs = self.share.run(seq_id, step, inputs, rows)
         assert outputs is not None  # the lead is share 0, which answers for the stage
         return outputs
 

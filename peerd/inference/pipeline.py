@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -99,7 +99,8 @@ class StageRunner(Protocol):
     def holds_state(self) -> bool: ...
 
     def step_many(self, steps: Sequence[tuple[str, Tensors]],
-                  unit_s: dict[int, float] | None = None) -> list[Outcome]: ...
+                  unit_s: dict[int, float] | None = None,
+                  rows: Mapping[str, int] | None = None) -> list[Outcome]: ...
 
     def length(self, seq_id: str) -> int: ...
 
@@ -212,7 +213,8 @@ class StageWorker(Generic[Runner]):
                    if (exc := self._refused(step)) is not None}
         runnable = [step for index, step in enumerate(steps) if index not in refused]
         outputs = iter(self.executor.step_many(
-            [(step.seq_id, {n: step.inputs[n] for n in wanted}) for step in runnable], unit_s))
+            [(step.seq_id, {n: step.inputs[n] for n in wanted}) for step in runnable], unit_s,
+            {step.seq_id: step.rows for step in runnable}))
         share = (time.perf_counter() - started) / len(steps)
         if any(step.step == 0 for step in steps):
             heap.trim()  # a prefill's activations: freed, but resident until handed back

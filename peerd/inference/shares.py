@@ -14,11 +14,15 @@ shares by their weights (shards.share_split.split_rows); for every layer half:
 
 The embedding unit runs on every share for all rows: it is a table lookup, and it also
 gives the per-step tensors (rotary cos/sin, mask) every attention share reads for all rows,
-so running it whole spares a collective. The head unit (final norm, LM head) runs on each
-share's rows. The stage's output (the last hidden state or the logits) is gathered on share
-0, which answers for the stage. A one-row decode step has one share do the connective part
-(the one with the largest weight, share 0 among equals) and the others get no rows; a share
-sends nothing where the receiver gets no rows, and waits for no share that has none.
+so running it whole spares a collective. The stage's last hidden state is gathered on share
+0, which answers for the stage; where the stage ends in the head unit (final norm, LM head),
+share 0 runs it there on the rows whose tokens are drawn (the step's `rows`). Run on every
+share's rows instead, the head's logits were what crossed the link: 32 MB from the other
+share of a 512-token prompt with 32,000 tokens, against 1 MB of hidden state, and the lead
+waited 0.4 s of a 1.06 s first token for them. A one-row decode step has one share do the
+connective part (the one with the largest weight, share 0 among equals) and the others get
+no rows; a share sends nothing where the receiver gets no rows, and waits for no share that
+has none.
 
 Two drivers run the schedule:
 - `ShareStage`, in one process: all N schedules in lockstep, every message encoded and
@@ -30,7 +34,7 @@ Steps of several sequences run one after another (no batching).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +43,7 @@ import onnxruntime as ort
 
 from peerd.wire import protocol
 from peerd.wire.protocol import ShareData, SharePhase
-from shards.executor import ExecutorOptions, Outcome, SessionShelf, session_options
+from shards.executor import ExecutorOptions, Outcome, SessionShelf, last_rows, session_options
 from shards.manifest import Manifest, Unit
 from shards.share_layout import ATTN, HIDDEN, MLP, NORMED, PAST, ShareUnits, step_inputs
 from shards.share_split import ShareError, Span, split_rows
@@ -124,7 +128,7 @@ class ShareRunner:
         self.model_units = {
             unit.name: shelf.session(manifest, unit, Path(directory) / unit.model_file.name,
                                      options)
-            for unit in self.units if unit.name in (EMBED, HEAD)}
+            for unit in self.units if unit.name in whole_units(index)}
         so = session_options(options.threads, options.spinning)  # the process's pool, if any
         self.blocks = {
             _block(unit): ort.InferenceSession(
@@ -160,8 +164,10 @@ class ShareRunner:
         return sum(k.nbytes + v.nbytes for held in self.kv.values() for k, v in held.values())
 
     # -- one step ----------------------------------------------------------------------------
-    def schedule(self, seq_id: str, step: int, inputs: Tensors) -> Schedule:
-        """This share's part of the step (see the module's docstring)."""
+    def schedule(self, seq_id: str, step: int, inputs: Tensors,
+                 rows: int | None = None) -> Schedule:
+        """This share's part of the step (see the module's docstring); the head's logits
+        at the step's last `rows` positions (None: at all)."""
         missing = [name for name in self.inputs if name not in inputs]
         if missing:
             raise ValueError(f"stage {self.first}-{self.last}: missing inputs {missing}")
@@ -175,26 +181,15 @@ class ShareRunner:
                 continue
             if state.rows is None:  # the stage starts here: its input arrived whole
                 state.take_rows(_hidden_input(unit))
-            if unit.name == HEAD:
-                self._head(unit, state)
-            else:
+            if unit.name != HEAD:
                 yield from self._layer_half(unit, seq_id, step, state)
-        return (yield from self._outputs(seq_id, step, state))
+        return (yield from self._outputs(seq_id, step, state, rows))
 
     def _run_unit(self, name: str, feeds: Tensors) -> Tensors:
         session = self.model_units[name]
         names = [o.name for o in session.get_outputs()]
         return {name: np.asarray(value)
                 for name, value in zip(names, session.run(names, feeds), strict=True)}
-
-    def _head(self, unit: Unit, state: _StepState) -> None:
-        name = unit.outputs[0].name
-        if state.span.size:
-            state.rows = self._run_unit(HEAD, {unit.inputs[0].name: state.current})[name]
-        else:
-            state.rows = np.zeros((state.current.shape[0], 0, self.manifest.model.vocab_size),
-                                  np.float32)
-        state.rows_name = name
 
     def _layer_half(self, unit: Unit, seq_id: str, step: int, state: _StepState):
         layer, half = _block(unit)
@@ -253,9 +248,10 @@ class ShareRunner:
             total = total + (mine if i == self.index else _rows(got[i]))
         return total
 
-    def _outputs(self, seq_id: str, step: int, state: _StepState):
-        """The stage's outputs, answered by share 0: its row output gathered from every
-        share (that has rows), the rest from what it holds whole."""
+    def _outputs(self, seq_id: str, step: int, state: _StepState, rows: int | None):
+        """The stage's outputs, answered by share 0: the hidden state gathered from every
+        share (that has rows) and, where the stage has the head, the head run on it; the
+        rest from what it holds whole."""
         message = self._message(seq_id, step, self.last, SharePhase.OUTPUT)
         shares = range(len(state.spans))
         if self.index != 0:
@@ -263,15 +259,16 @@ class ShareRunner:
             yield Exchange(message, sends, ())
             return None
         got = yield Exchange(message, (), tuple(i for i in shares if i and state.spans[i].size))
-        outputs = {}
-        for name in self.outputs:
-            if name != state.rows_name:
-                outputs[name] = state.whole[name]
-                continue
-            outputs[name] = np.concatenate(
-                [state.current, *(_rows(got[i]) for i in shares if i and state.spans[i].size)],
-                axis=ROWS_AXIS)
-        return outputs
+        produced = {state.rows_name: np.concatenate(
+            [state.current, *(_rows(got[i]) for i in shares if i and state.spans[i].size)],
+            axis=ROWS_AXIS)}
+        head = self.units[-1]
+        if head.name == HEAD:
+            hidden = produced[state.rows_name]
+            produced = self._run_unit(HEAD, {head.inputs[0].name: hidden if rows is None else
+                                             last_rows(hidden, rows)})
+        return {name: produced[name] if name in produced else state.whole[name]
+                for name in self.outputs}
 
 
 def drive(schedule: Schedule, exchange: Callable[[Exchange], dict[int, ShareData]]
@@ -286,13 +283,14 @@ def drive(schedule: Schedule, exchange: Callable[[Exchange], dict[int, ShareData
         return done.value
 
 
-def one_by_one(step: Callable[[str, Tensors], Tensors],
-               steps: Sequence[tuple[str, Tensors]]) -> list[Outcome]:
+def one_by_one(step: Callable[[str, Tensors, int | None], Tensors],
+               steps: Sequence[tuple[str, Tensors]],
+               rows: Mapping[str, int] | None) -> list[Outcome]:
     """Each step in turn (shares run no batches yet): its outputs, or its exception."""
     outcomes: list[Outcome] = []
     for seq_id, inputs in steps:
         try:
-            outcomes.append(step(seq_id, inputs))
+            outcomes.append(step(seq_id, inputs, (rows or {}).get(seq_id)))
         except Exception as exc:  # ONNX Runtime's errors derive from Exception alone
             outcomes.append(exc)
     return outcomes
@@ -313,14 +311,15 @@ class ShareStage:
         self._steps: dict[str, int] = {}
 
     def step_many(self, steps: Sequence[tuple[str, Tensors]],
-                  unit_s: dict[int, float] | None = None) -> list[Outcome]:
-        return one_by_one(self.step, steps)
+                  unit_s: dict[int, float] | None = None,
+                  rows: Mapping[str, int] | None = None) -> list[Outcome]:
+        return one_by_one(self.step, steps, rows)
 
-    def step(self, seq_id: str, inputs: Tensors) -> Tensors:
+    def step(self, seq_id: str, inputs: Tensors, rows: int | None = None) -> Tensors:
         """Every share's schedule in lockstep, each round's messages through the codec."""
         step = self._steps.get(seq_id, 0)
         self._steps[seq_id] = step + 1
-        schedules = [share.schedule(seq_id, step, inputs) for share in self.shares]
+        schedules = [share.schedule(seq_id, step, inputs, rows) for share in self.shares]
         rounds = [next(s) for s in schedules]
         while True:
             inboxes: list[dict[int, ShareData]] = [{} for _ in schedules]
@@ -362,6 +361,12 @@ class ShareStage:
     @property
     def sequence_count(self) -> int:
         return self.shares[0].sequence_count
+
+
+def whole_units(index: int) -> tuple[str, ...]:
+    """The model's own units share `index` runs whole: the embedding on every share, the
+    head on share 0, which answers for the stage."""
+    return (EMBED, HEAD) if index == 0 else (EMBED,)
 
 
 def _rows(message: ShareData) -> np.ndarray:

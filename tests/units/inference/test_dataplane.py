@@ -127,8 +127,9 @@ async def test_a_stage_that_cannot_run_a_step_fails_the_answer_with_the_reason(r
     executor = ring[1].plane.worker.executor
     real_step = executor.step
 
-    def wrong_shape(seq_id, inputs, unit_s=None):
-        return real_step(seq_id, {**inputs, "hidden0": np.zeros((1, 1, 3), np.float32)}, unit_s)
+    def wrong_shape(seq_id, inputs, unit_s=None, rows=None):
+        return real_step(seq_id, {**inputs, "hidden0": np.zeros((1, 1, 3), np.float32)}, unit_s,
+                         rows)
 
     monkeypatch.setattr(executor, "step", wrong_shape)
     with pytest.raises(GenerationError, match="stage 1, step 0: .*hidden0"):

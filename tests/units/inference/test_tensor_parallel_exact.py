@@ -9,7 +9,9 @@ from sharding import reference, sharded, share_units
 from wire_strategies import frames
 
 from peerd.commands.generate import build_pipeline, generate
+from peerd.inference.shares import HEAD, ShareStage
 from peerd.wire import protocol
+from shards.executor import StageExecutor
 from shards.sampling import SamplingParams
 from shards.share_split import ShareError
 from shards.share_units import shares_for
@@ -45,6 +47,22 @@ def test_shares_reproduce_transformers(hf_checkpoint, family, overrides, weights
         assert got == want or top2[1] - top2[0] <= MARGIN
     assert all(w.executor.wire_bytes > 0 for w in pipeline.workers)
     assert all(w.executor.sequence_count == 0 for w in pipeline.workers)
+
+
+@pytest.mark.slow
+def test_share_0_alone_runs_the_head_on_the_rows_whose_tokens_are_drawn(hf_checkpoint):
+    model_dir = hf_checkpoint("llama", heads=4, kv_heads=2)
+    result = sharded(model_dir)
+    last = len(result.manifest.units) - 1
+    stage = ShareStage(result.manifest, result.directory, 0, last,
+                       share_units(model_dir, (1.0, 1.0)))
+    inputs = {"input_ids": np.array([PROMPT], np.int64),
+              "position_ids": np.arange(len(PROMPT))[None]}
+    full = StageExecutor(result.manifest, result.directory, 0, last).step("x", inputs)["logits"]
+    got = stage.step("x", inputs, rows=2)["logits"]
+    assert got.shape == (1, 2, full.shape[2])
+    np.testing.assert_allclose(got, full[:, -2:], atol=1e-4, rtol=0)
+    assert [HEAD in share.model_units for share in stage.shares] == [True, False]
 
 
 def test_more_shares_than_kv_heads_is_refused(hf_checkpoint, tmp_path):

@@ -132,3 +132,19 @@ def test_a_forked_sequence_continues_as_a_fresh_run_of_its_whole_context(llama, 
         stages[0].fork("old", "other", 10)
     with pytest.raises(KeyError, match="unknown sequence"):
         stages[0].fork("gone", "other", 1)
+
+
+def test_the_head_runs_on_the_rows_whose_tokens_are_drawn(llama):
+    """Given a sequence's `rows`, the last stage's logits are those rows' alone, as a step
+    over every row gives them; steps asking for different rows run and answer apart."""
+    first, last = _stages(llama, cuts=(len(llama.manifest.units) - 1,))
+    hidden = {s: first.step_many([(s, _request(PROMPTS[s], 0))])[0] for s in ("a", "c")}
+    full = {s: last.step(s + "-full", {n: hidden[s][n] for n in last.inputs})["logits"]
+            for s in hidden}
+    outcomes = last.step_many([(s, {n: hidden[s][n] for n in last.inputs}) for s in hidden],
+                              rows={"a": 1, "c": 3})
+    for (seq_id, wanted), outcome in zip({"a": 1, "c": 3}.items(), outcomes, strict=True):
+        assert isinstance(outcome, dict)
+        assert outcome["logits"].shape == (1, wanted, full[seq_id].shape[2])
+        np.testing.assert_allclose(outcome["logits"], full[seq_id][:, -wanted:], atol=1e-5,
+                                   rtol=0)
