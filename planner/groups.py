@@ -145,10 +145,9 @@ def galaxy_shares(speeds: Sequence[float], capacities: Sequence[float],
 def member_unit_s(cluster: Cluster, device: Device, index: int, unit: Unit,
                   tokens: int) -> float:
     """Seconds `device` takes for the whole of unit `index` in a step of `tokens` tokens."""
-    if tokens == 1 and index in device.unit_s:
+    if unit.step_flops(tokens) == unit.flops and index in device.unit_s:  # a decode's work
         return device.unit_s[index] * battery_factor(cluster, device)
-    flops = unit.flops if tokens == 1 else tokens * unit.flops_per_prompt_token
-    return flops * seconds_per_flop(cluster, device)
+    return unit.step_flops(tokens) * seconds_per_flop(cluster, device)
 
 
 def hidden_bytes(workload: Workload, index: int) -> float:

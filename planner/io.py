@@ -176,7 +176,20 @@ def _unit(raw: Any, where: str, index: int, count: int, manifest: bool) -> Unit:
         outputs=tuple(outputs),
         prefill_flops=prefill,
         share_grains=_grains(raw, where),
+        sampled=_sampled(raw, where, manifest),
     )
+
+
+def _sampled(raw: Any, where: str, manifest: bool) -> bool:
+    """Whether the unit runs on the drawn rows alone: in a manifest, the unit whose output
+    the request reads (the logits); in a units file, its "sampled" flag."""
+    if manifest:
+        return any(MANIFEST_REQUEST in _list(out, "consumers", where)
+                   for out in _list(raw, "outputs", where, default=[]))
+    sampled = raw.get("sampled", False)
+    if not isinstance(sampled, bool):
+        raise InvalidInput(f"{where}.sampled must be true or false, got {sampled!r}")
+    return sampled
 
 
 def _grains(raw: Any, where: str) -> int:

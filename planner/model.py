@@ -88,10 +88,16 @@ class Unit:
     # How many peers of a group can each take a share of the unit (a layer half: its KV-head
     # groups or MLP column blocks); 0 or 1: it runs whole on one peer (planner.groups).
     share_grains: int = 0
+    # It runs on the rows whose tokens are drawn (the LM head): one row of a prompt.
+    sampled: bool = False
 
     @property
     def flops_per_prompt_token(self) -> float:
         return self.flops if self.prefill_flops is None else self.prefill_flops
+
+    def step_flops(self, tokens: int) -> float:
+        """Its flops in a step of `tokens` new tokens (1: a decode step)."""
+        return self.flops if tokens == 1 or self.sampled else tokens * self.flops_per_prompt_token
 
 
 @dataclass(frozen=True)

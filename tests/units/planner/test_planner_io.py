@@ -162,6 +162,19 @@ def test_plan_json_has_the_documented_shape():
         1 / data["predicted"]["bottleneck_s"])
 
 
+def test_the_unit_the_request_reads_costs_a_prompt_one_row():
+    head = edited(manifest(), ["units", 2, "outputs"], [
+        {"name": "logits", "dtype": "float32", "bytes_per_token": 64, "consumers": [-1]}])
+    units = workload_from_dict(head).units
+    assert [unit.sampled for unit in units] == [False, False, True]
+    assert units[2].step_flops(512) == units[2].flops == 4e9
+    assert units[1].step_flops(512) == 512 * 12e9
+    flagged = edited(UNITS, ["units", 2, "sampled"], True)
+    assert workload_from_dict(flagged).units[2].sampled
+    with pytest.raises(InvalidInput, match=r"units\[2\].sampled must be true or false"):
+        workload_from_dict(edited(UNITS, ["units", 2, "sampled"], "yes"))
+
+
 def test_only_a_manifest_may_name_the_request_as_a_consumer():
     units = {"return_bytes": 8, "units": [
         {"flops": 1.0, "weight_bytes": 1, "kv_bytes_per_token": 0,
