@@ -42,8 +42,10 @@ def battery_factor(cluster: Cluster, device: Device) -> float:
     return 1 + cluster.battery_penalty if device.on_battery else 1.0
 
 
-def seconds_per_flop(cluster: Cluster, device: Device) -> float:
-    return battery_factor(cluster, device) / (device.flops * (1 - device.load))
+def seconds_per_flop(cluster: Cluster, device: Device, prompt: bool = False) -> float:
+    """Seconds per FLOP of a decode step's one row, or (`prompt`) of a prompt's rows."""
+    rate = device.prompt_flops if prompt and device.prompt_flops > 0 else device.flops
+    return battery_factor(cluster, device) / (rate * (1 - device.load))
 
 
 @dataclass(frozen=True)

@@ -145,9 +145,10 @@ def galaxy_shares(speeds: Sequence[float], capacities: Sequence[float],
 def member_unit_s(cluster: Cluster, device: Device, index: int, unit: Unit,
                   tokens: int) -> float:
     """Seconds `device` takes for the whole of unit `index` in a step of `tokens` tokens."""
-    if unit.step_flops(tokens) == unit.flops and index in device.unit_s:  # a decode's work
+    rows = tokens > 1 and not unit.sampled  # else the work of one row, as in a decode step
+    if not rows and index in device.unit_s:
         return device.unit_s[index] * battery_factor(cluster, device)
-    return unit.step_flops(tokens) * seconds_per_flop(cluster, device)
+    return unit.step_flops(tokens) * seconds_per_flop(cluster, device, prompt=rows)
 
 
 def hidden_bytes(workload: Workload, index: int) -> float:

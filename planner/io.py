@@ -71,6 +71,7 @@ def _device(raw: Any, where: str) -> Device:
     return Device(
         id=_text(raw, "id", where),
         flops=_number(raw, "flops", where, positive=True),
+        prompt_flops=_number(raw, "prompt_flops", where, default=0.0),
         memory_available=_number(raw, "memory_available", where),
         load=_number(raw, "load", where, upper=1, default=0.0),
         battery=_battery(raw.get("battery"), f"{where}.battery"),

@@ -17,7 +17,7 @@ class Battery:
 @dataclass(frozen=True)
 class Device:
     id: str
-    flops: float  # effective FLOP/s on the unit executor
+    flops: float  # effective FLOP/s on the unit executor, one row (decode-shaped)
     memory_available: float  # bytes
     load: float = 0.0  # fraction of the CPU taken by other processes, in [0, 1]
     battery: Battery | None = None  # None: mains-powered, no battery
@@ -27,6 +27,8 @@ class Device:
     # Measured seconds per token a stage on this device spends outside its units (taking
     # tensors in and sending them on, scheduling, sampling): added to every stage it holds.
     stage_overhead_s: float = 0.0
+    # effective FLOP/s on a prompt's rows (compute-bound, several times `flops`); 0: `flops`
+    prompt_flops: float = 0.0
 
     @property
     def on_battery(self) -> bool:

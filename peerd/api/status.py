@@ -82,13 +82,14 @@ def _member_entry(member: Member, figures: PeerFigures | None, links) -> dict[st
 
 def _figures(figures: PeerFigures | None) -> dict[str, Any]:
     if figures is None:
-        return {"flops": None, "memory_total": None, "memory_available": None,
+        return {"flops": None, "prompt_flops": None, "memory_total": None, "memory_available": None,
                 "memory_used": None, "load": None, "battery": None, "model": None, "units": [],
                 "unit_s": {}, "stage_overhead_s": None}
     battery = dataclasses.asdict(figures.battery) if figures.battery else None
     times = figures.unit_times
     return {
         "flops": figures.flops,
+        "prompt_flops": figures.prompt_flops,
         "memory_total": figures.memory_total,
         "memory_available": figures.memory_available,
         "memory_used": figures.memory_used,

@@ -4,7 +4,11 @@ The calibration unit is decode-shaped: one row through a chain of square MatMuls
 for the cache (`calibration_graph.py`), timed on ONNX Runtime with the stage
 executor's threading (no torch in the daemon). A decode step is bound by reading weights
 from memory, so a peer's figure predicts its stage times; a matrix-matrix product would
-measure arithmetic an order of magnitude faster than decode ever runs. Links are
+measure arithmetic an order of magnitude faster than decode ever runs. That is what a
+prompt runs, so the same chain on `PROMPT_ROWS` rows gives the peer's prompt FLOP/s, which
+prices time to first token (on one core of the development machine: 20 GFLOP/s on one
+row against 200 on 128 rows; priced at the one-row figure, the 512-token prompt of a
+12-layer hidden-1024 model came to 7 s, where it takes 0.8). Links are
 measured from a source peer to a target: the shortest round trip of a few pings on the control
 channel gives the one-way latency (half of it; the shortest is the one that queued least); a
 timed bulk transfer on the data channel, answered when fully received, gives the bandwidth
@@ -23,6 +27,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
@@ -41,40 +46,57 @@ CALIBRATION_DEPTH = 4  # 64 MiB of weights: more than a CPU's last-level cache
 CALIBRATION_SECONDS = 0.25
 FLOPS_MAX_AGE_S = 600.0
 LATENCY_PINGS = 5
+PROMPT_ROWS = 128
 PROBE_BYTES = 4 * 1024 * 1024
 PROBE_TRANSFERS = 2
 PING_TIMEOUT_S = 2.0
 TRANSFER_TIMEOUT_S = 30.0
 
 
-def calibration_flops(size: int = CALIBRATION_SIZE, depth: int = CALIBRATION_DEPTH) -> int:
-    return 2 * size**2 * depth
+def calibration_flops(size: int = CALIBRATION_SIZE, depth: int = CALIBRATION_DEPTH,
+                      rows: int = 1) -> int:
+    return 2 * rows * size**2 * depth
 
 
-def calibration_session(size: int, depth: int) -> ort.InferenceSession:
+def calibration_session(size: int, depth: int, rows: int = 1) -> ort.InferenceSession:
     """The calibration graph on as many threads as the stage executor uses: one per core
     this process may run on (ONNX Runtime's default, one per core of the machine, would
     also compute on cores a pinned peer must not use)."""
     options = session_options()
     options.log_severity_level = 3
     return ort.InferenceSession(
-        calibration_model(size, depth), options, providers=["CPUExecutionProvider"]
+        calibration_model(size, depth, rows), options, providers=["CPUExecutionProvider"]
     )
+
+
+@dataclass(frozen=True)
+class Speeds:
+    """A peer's FLOP/s on one row (a decode step) and on `PROMPT_ROWS` rows (a prompt)."""
+
+    decode: float
+    prompt: float
 
 
 def measure_flops(
     size: int = CALIBRATION_SIZE,
     depth: int = CALIBRATION_DEPTH,
     seconds: float = CALIBRATION_SECONDS,
+    rows: int = 1,
 ) -> float:
-    """Effective FLOP/s of this machine on the calibration graph (best run; blocking)."""
-    fastest = _fastest_run(calibration_session(size, depth), size, seconds)
+    """Effective FLOP/s of this machine on the calibration graph of `rows` rows (best run;
+    blocking)."""
+    fastest = _fastest_run(calibration_session(size, depth, rows), size, rows, seconds)
     heap.trim()  # the session's memory, freed now, would otherwise stay resident (~50 MB)
-    return calibration_flops(size, depth) / fastest
+    return calibration_flops(size, depth, rows) / fastest
 
 
-def _fastest_run(session: ort.InferenceSession, size: int, seconds: float) -> float:
-    x = np.random.default_rng(1).standard_normal((1, size)).astype(np.float32)
+def measure_speeds() -> Speeds:
+    """This machine's decode-shaped and prompt-shaped FLOP/s (blocking)."""
+    return Speeds(measure_flops(), measure_flops(rows=PROMPT_ROWS))
+
+
+def _fastest_run(session: ort.InferenceSession, size: int, rows: int, seconds: float) -> float:
+    x = np.random.default_rng(1).standard_normal((rows, size)).astype(np.float32)
     session.run(None, {"x": x})  # warm-up: allocations, thread pool
     fastest = math.inf
     deadline = time.perf_counter() + seconds
@@ -91,17 +113,17 @@ class FlopsMeter:
     """This peer's FLOP/s, measured off the event loop and re-measured when old."""
 
     def __init__(self, max_age_s: float = FLOPS_MAX_AGE_S):
-        self.flops = 0.0
+        self.speeds = Speeds(0.0, 0.0)
         self._max_age_s = max_age_s
         self._measured_at = -math.inf
         self._lock = asyncio.Lock()
 
-    async def current(self) -> float:
+    async def current(self) -> Speeds:
         async with self._lock:
             if time.monotonic() - self._measured_at > self._max_age_s:
-                self.flops = await asyncio.to_thread(measure_flops)
+                self.speeds = await asyncio.to_thread(measure_speeds)
                 self._measured_at = time.monotonic()
-        return self.flops
+        return self.speeds
 
 
 def one_way_latency(round_trips: Iterable[float]) -> float:

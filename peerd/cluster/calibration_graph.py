@@ -16,9 +16,9 @@ FLOAT, INT64 = 1, 7  # TensorProto.DataType
 TENSOR_ATTRIBUTE = 4  # AttributeProto.AttributeType.TENSOR
 
 
-def calibration_model(size: int, depth: int) -> bytes:
-    """A row x[1,size] multiplied by ``depth`` [size,size] matrices, as a decode step
-    multiplies one token's activations by its weights.
+def calibration_model(size: int, depth: int, rows: int = 1) -> bytes:
+    """Rows x[rows,size] multiplied by ``depth`` [size,size] matrices, as a step multiplies
+    its tokens' activations by its weights: one row as a decode step, many as a prompt's.
 
     The matrices are ConstantOfShape nodes, which ONNX Runtime folds into weights when it
     loads the graph: the serialized graph stays a few hundred bytes. Each has its own value
@@ -37,8 +37,8 @@ def calibration_model(size: int, depth: int) -> bytes:
         *(_field(1, node) for node in nodes),
         _text(2, "peerd-calibration"),
         *(_field(5, shape) for shape in shapes),
-        _field(11, _row("x", size)),
-        _field(12, _row("y", size)),
+        _field(11, _matrix("x", rows, size)),
+        _field(12, _matrix("y", rows, size)),
     ])
     opset = _number(2, OPSET)
     return _number(1, IR_VERSION) + _field(8, opset) + _field(7, graph)
@@ -54,9 +54,9 @@ def _tensor(name: str, data_type: int, dims: list[int], raw: bytes) -> bytes:
             + _field(9, raw))
 
 
-def _row(name: str, size: int) -> bytes:
-    """ValueInfoProto of a float tensor [1, size]."""
-    shape = b"".join(_field(1, _number(1, d)) for d in (1, size))
+def _matrix(name: str, rows: int, size: int) -> bytes:
+    """ValueInfoProto of a float tensor [rows, size]."""
+    shape = b"".join(_field(1, _number(1, d)) for d in (rows, size))
     tensor_type = _number(1, FLOAT) + _field(2, shape)
     return _text(1, name) + _field(2, _field(1, tensor_type))
 

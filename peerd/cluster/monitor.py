@@ -200,11 +200,12 @@ class Monitor:
         self._model = model
 
     async def figures(self) -> PeerFigures:
-        flops = await self.flops.current()
+        speeds = await self.flops.current()
         memory = read_memory(self._memory_budget)
         return PeerFigures(
             id=self._peer_id,
-            flops=flops,
+            flops=speeds.decode,
+            prompt_flops=speeds.prompt,
             memory_total=memory.total,
             memory_available=memory.available,
             load=self._load.read(),

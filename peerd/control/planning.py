@@ -60,6 +60,7 @@ def cluster_from_report(report: ClusterReport, source: str, context: int,
         pm.Device(
             id=f.id,
             flops=f.flops,
+            prompt_flops=f.prompt_flops,
             memory_available=float(f.memory_available),
             load=f.load,
             battery=_battery(f.battery),

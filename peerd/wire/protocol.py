@@ -39,7 +39,7 @@ from peerd.wire.states import (
 )
 from shards.sampling import Distribution
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 MAX_HEADER_BYTES = 1024 * 1024
 MAX_TENSORS = 4096
@@ -655,11 +655,11 @@ class AnswerFigures:
 
 @dataclasses.dataclass(frozen=True)
 class PeerFigures:
-    """One peer's measurements: FLOP/s on the calibration unit, memory (capped by its
-    --memory-budget), CPU load of other processes (0..1), battery, model, loaded units and
-    the plan they belong to, the measured time per step of its stage and per decode token of
-    each unit it ran, the memory its units and their K/V occupy, and, on a head, what its
-    answers measured."""
+    """One peer's measurements: FLOP/s on the calibration unit (one row, and a prompt's
+    rows), memory (capped by its --memory-budget), CPU load of other processes (0..1),
+    battery, model, loaded units and the plan they belong to, the measured time per step of
+    its stage and per decode token of each unit it ran, the memory its units and their K/V
+    occupy, and, on a head, what its answers measured."""
 
     id: str
     flops: float
@@ -674,9 +674,10 @@ class PeerFigures:
     unit_times: UnitTimes | None = None
     answers: AnswerFigures | None = None
     memory_used: int = 0  # bytes its loaded units' weights and their K/V occupy now
+    prompt_flops: float = 0.0  # FLOP/s on a prompt's rows (benchmark.PROMPT_ROWS); 0: unknown
 
     def __post_init__(self):
-        _require(self.flops >= 0, "figures: negative flops")
+        _require(self.flops >= 0 and self.prompt_flops >= 0, "figures: negative flops")
         _require(0 <= self.memory_available <= self.memory_total, "figures: bad memory")
         _require(self.memory_used >= 0, "figures: negative memory used")
         _require(0 <= self.load <= 1, "figures: load outside 0..1")

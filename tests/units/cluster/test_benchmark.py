@@ -46,13 +46,24 @@ def test_calibration_computes_only_on_the_cores_this_peer_is_pinned_to():
     assert done.stdout.split() == ["1"]
 
 
+def test_a_prompts_rows_run_faster_per_flop_than_one_row():
+    """One row streams the weights for 2 FLOPs a weight; 128 rows reuse each weight read 128
+    times, as a prompt does: the prompt figure must come out well above the decode one."""
+    speeds = benchmark.measure_speeds()
+    assert speeds.prompt > 2 * speeds.decode > 0
+    graph = onnx.load_from_string(calibration_graph.calibration_model(8, 1, rows=3))
+    assert [d.dim_value for d in graph.graph.input[0].type.tensor_type.shape.dim] == [3, 8]
+    assert benchmark.calibration_flops(8, 1, rows=3) == 3 * benchmark.calibration_flops(8, 1)
+
+
 async def test_the_flops_meter_measures_once_then_reuses_the_figure(monkeypatch):
     calls = []
-    monkeypatch.setattr(benchmark, "measure_flops", lambda: calls.append(1) or 5e9)
+    speeds = benchmark.Speeds(5e9, 6e10)
+    monkeypatch.setattr(benchmark, "measure_speeds", lambda: calls.append(1) or speeds)
     meter = benchmark.FlopsMeter(max_age_s=60)
-    assert await meter.current() == 5e9 and await meter.current() == 5e9
+    assert await meter.current() == speeds and await meter.current() == speeds
     assert len(calls) == 1
-    assert await benchmark.FlopsMeter(max_age_s=0).current() == 5e9
+    assert await benchmark.FlopsMeter(max_age_s=0).current() == speeds
 
 
 def test_link_arithmetic():

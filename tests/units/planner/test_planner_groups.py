@@ -3,6 +3,8 @@ search that picks groups where they pay and pipelines where the links are slow."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from planner.cost import simulate
@@ -172,3 +174,18 @@ def test_a_group_size_keeps_only_shapes_of_such_groups():
     assert {len(stage.shares) for stage in shape.stages} == {2}
     with pytest.raises(Infeasible, match="no groups of 5 peers can hold the model"):
         best_shape(cluster, workload, "latency", PROMPT, group_size=5)
+
+
+def test_a_prompt_is_priced_at_the_peers_prompt_speed():
+    """Over a 100 Mbit/s link, priced at decode speed a prompt's compute looks so long that
+    sharing it pays for moving its rows; at the prompt speed (14x here) it does not, and one
+    peer is the fastest to the first token."""
+    workload = _workload()
+    slow = _cluster(2, latency_s=5e-4, bandwidth_Bps=12.5e6, flops=(1e9, 1.05e9))
+    assert best_shape(slow, workload, FIRST_TOKEN, PROMPT).kind is not ShapeKind.ALONE
+    measured = Cluster("p0", tuple(replace(d, prompt_flops=14 * d.flops) for d in slow.devices),
+                       slow.links)
+    alone = best_shape(measured, workload, FIRST_TOKEN, PROMPT)
+    assert alone.kind is ShapeKind.ALONE
+    prompt_flops = PROMPT * sum(unit.flops for unit in workload.units)
+    assert alone.predicted.first_token_s == pytest.approx(prompt_flops / 14e9)
