@@ -2,8 +2,9 @@
 2-peer group, on a fast link and on a shaped slow one, beside what the planner predicts.
 
 Each daemon is one "device": its own network namespace (tests/netns.py) and its own core
-(taskset on every thread, set as it starts). The model: a random Llama (bench.llama_checkpoint)
-of `SHAPE`, float32, sharded once under `--dir` and linked into every peer's shard cache.
+(started under taskset, so its calibration runs on that core too). The model: a random
+Llama (bench.llama_checkpoint) of `SHAPE`, float32, sharded once under `--dir` and linked
+into every peer's shard cache.
 Rows, each a fresh cluster:
 
   one device   one daemon on core 0
@@ -41,7 +42,6 @@ import contextlib
 import math
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -124,13 +124,8 @@ def _devices(dirs: list[Path], extra: dict[int, list[str]],
         for i in range(len(dirs)):
             if mbit is not None:
                 network.shape(i, mbit)
-        peers = []
-        for i, state_dir in enumerate(dirs):
-            peer = network.start_peer(i, state_dir, *extra.get(i, []))
-            subprocess.run(["taskset", "-a", "-p", "-c", str(CORES[i]),
-                            str(peer.process.pid)], check=True, capture_output=True)
-            peers.append(peer)
-        yield peers
+        yield [network.start_peer(i, state_dir, *extra.get(i, []), cores=str(CORES[i]))
+               for i, state_dir in enumerate(dirs)]
 
 
 def _measure(row: Row, dirs: list[Path], model_dir: Path, manifest: Manifest,

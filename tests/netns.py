@@ -165,11 +165,14 @@ class Network:
 
     # -- peers ----------------------------------------------------------------------------------
 
-    def start_peer(self, i: int, state_dir: Path, *extra: str) -> Peer:
+    def start_peer(self, i: int, state_dir: Path, *extra: str, cores: str | None = None) -> Peer:
+        """Peer i's daemon, with `cores` (taskset's list) its CPU affinity from its start."""
         log = (state_dir / "daemon.log").open("w")
+        pinned = [] if cores is None else ["taskset", "-c", cores]
         process = self.exec(
             i,
-            [*PEERD, "start", "--state-dir", str(state_dir), "--interface", self.address(i),
+            [*pinned, *PEERD, "start", "--state-dir", str(state_dir),
+             "--interface", self.address(i),
              *([] if self.rebalance else ["--no-rebalance"]), *extra],
             stdout=log, stderr=subprocess.STDOUT,
         )
