@@ -49,6 +49,7 @@ from shards.share_layout import ATTN, HIDDEN, MLP, NORMED, PAST, ShareUnits, ste
 from shards.share_split import ShareError, Span, split_rows
 
 ROWS_AXIS = 1  # [batch, rows, width]
+STEP_ROWS_AXIS = 2  # the per-step tensors: [batch, 1, rows, width]
 EMBED, HEAD = "embed", "head"
 Tensors = dict[str, np.ndarray]
 
@@ -192,23 +193,57 @@ class ShareRunner:
                 for name, value in zip(names, session.run(names, feeds), strict=True)}
 
     def _layer_half(self, unit: Unit, seq_id: str, step: int, state: _StepState):
+        """Norm my rows, send them to every other share, then run the block tile by tile
+        (one tile per share's rows), each partial sent to its tile's owner as soon as it is
+        computed, and sum the partials of my rows in share order."""
         layer, half = _block(unit)
         normed = self.share_units.norms[(layer, half)](state.current)
-        message = self._message(seq_id, step, unit.index, SharePhase.GATHER)
-        everyone = yield from self._all_gather(message, state, normed)
-        partial = self._branch(unit, seq_id, state, everyone)
-        added = yield from self._reduce_scatter(message, state, partial)
-        residual = normed if self.share_units.residual_post_norm else state.current
-        state.rows = residual + added
+        gather = self._message(seq_id, step, unit.index, SharePhase.GATHER)
+        reduce = gather.phase_of(SharePhase.REDUCE)
+        spans, others = state.spans, self._others(state)
+        if state.span.size:
+            yield Exchange(gather, tuple((to, gather.of(state.span, normed)) for to in others),
+                           ())
+        partials: dict[int, np.ndarray] = {}
+        for owner in self._tile_order(half, state):
+            rows = normed if owner == self.index else _rows(
+                (yield Exchange(gather, (), (owner,)))[owner])
+            partial = self._tile(unit, seq_id, state, rows, spans[owner])
+            if owner == self.index:
+                partials[owner] = partial
+            else:
+                yield Exchange(reduce, ((owner, reduce.of(spans[owner], partial)),), ())
+        if state.span.size:
+            got = yield Exchange(reduce, (), tuple(others))
+            partials.update((i, _rows(message)) for i, message in got.items())
+            total = partials[0]
+            for i in range(1, len(spans)):
+                total = total + partials[i]
+            residual = normed if self.share_units.residual_post_norm else state.current
+            state.rows = residual + total
         state.rows_name = unit.outputs[0].name
 
-    def _branch(self, unit: Unit, seq_id: str, state: _StepState,
-                normed: np.ndarray) -> np.ndarray:
-        """The share's partial block output over all rows (and its new K/V, kept)."""
+    def _others(self, state: _StepState) -> list[int]:
+        return [i for i in range(len(state.spans)) if i != self.index]
+
+    def _tile_order(self, half: str, state: _StepState) -> list[int]:
+        """The shares whose rows this share's block runs on, in the order it runs them:
+        attention in row order (each tile's keys are the earlier tiles' and its own), the
+        MLP my own rows first (their rows need no message)."""
+        owners = [i for i, span in enumerate(state.spans) if span.size]
+        if half == MLP and self.index in owners:
+            owners.remove(self.index)
+            owners.insert(0, self.index)
+        return owners
+
+    def _tile(self, unit: Unit, seq_id: str, state: _StepState, normed: np.ndarray,
+              span: Span) -> np.ndarray:
+        """The share's partial block output at rows `span` (and, for attention, their K/V
+        appended to the sequence's)."""
         layer, half = _block(unit)
         feeds = {NORMED: normed}
         if half == ATTN:
-            feeds |= {name: state.whole[name] for name in step_inputs(unit)}
+            feeds |= {name: _step_rows(state.whole[name], span) for name in step_inputs(unit)}
             feeds |= dict(zip(PAST, self._past(seq_id, layer), strict=True))
         partial, *present = map(np.asarray, self.blocks[(layer, half)].run(None, feeds))
         if present:
@@ -219,34 +254,9 @@ class ShareRunner:
         empty = np.zeros((1, self.kv_heads, 0, self.head_dim), np.float32)
         return self.kv.get(seq_id, {}).get(layer, (empty, empty))
 
-    # -- collectives ---------------------------------------------------------------------------
+    # -- the stage's outputs --------------------------------------------------------------
     def _message(self, seq_id: str, step: int, unit: int, phase: SharePhase) -> ShareTag:
         return ShareTag(self.plan, seq_id, step, unit, phase, self.index)
-
-    def _all_gather(self, message: ShareTag, state: _StepState, mine: np.ndarray):
-        """Every share's rows, in row order: mine to each other share, theirs to me."""
-        others = [i for i in range(len(state.spans)) if i != self.index]
-        sends = tuple((to, message.of(state.span, mine)) for to in others if state.span.size)
-        got = yield Exchange(message, sends, tuple(i for i in others if state.spans[i].size))
-        pieces = [mine if i == self.index else _rows(got[i]) for i in range(len(state.spans))
-                  if state.spans[i].size or i == self.index]
-        return np.concatenate(pieces, axis=ROWS_AXIS)
-
-    def _reduce_scatter(self, message: ShareTag, state: _StepState, partial: np.ndarray):
-        """The sum of every share's partial at my rows, in share order."""
-        reduce = message.phase_of(SharePhase.REDUCE)
-        others = [i for i in range(len(state.spans)) if i != self.index]
-        sends = tuple((to, reduce.of(state.spans[to], partial[:, state.spans[to].start :
-                                                                state.spans[to].stop]))
-                      for to in others if state.spans[to].size)
-        got = yield Exchange(reduce, sends, tuple(others) if state.span.size else ())
-        mine = partial[:, state.span.start : state.span.stop]
-        if not state.span.size:
-            return mine
-        total = mine if self.index == 0 else _rows(got[0])
-        for i in range(1, len(state.spans)):
-            total = total + (mine if i == self.index else _rows(got[i]))
-        return total
 
     def _outputs(self, seq_id: str, step: int, state: _StepState, rows: int | None):
         """The stage's outputs, answered by share 0: the hidden state gathered from every
@@ -316,24 +326,37 @@ class ShareStage:
         return one_by_one(self.step, steps, rows)
 
     def step(self, seq_id: str, inputs: Tensors, rows: int | None = None) -> Tensors:
-        """Every share's schedule in lockstep, each round's messages through the codec."""
+        """Every share's schedule, each resumed once the messages it waits for have come,
+        every message through the codec; share 0's outputs."""
         step = self._steps.get(seq_id, 0)
         self._steps[seq_id] = step + 1
         schedules = [share.schedule(seq_id, step, inputs, rows) for share in self.shares]
-        rounds = [next(s) for s in schedules]
-        while True:
-            inboxes: list[dict[int, ShareData]] = [{} for _ in schedules]
-            for sender, round_ in enumerate(rounds):
-                for receiver, message in round_.sends:
-                    inboxes[receiver][sender] = self._carry(message)
-            try:
-                rounds = [s.send(inbox) for s, inbox in zip(schedules, inboxes, strict=True)]
-            except StopIteration as done:  # share 0 ends first, its outputs gathered
-                for other in schedules[1:]:
-                    other.close()
-                outputs = done.value
-                assert outputs is not None  # share 0 answers for the stage
-                return outputs
+        inboxes: list[dict[tuple[int, str, int], ShareData]] = [{} for _ in schedules]
+        waiting: dict[int, Exchange] = {}
+        outputs: Tensors | None = None
+        for index, schedule in enumerate(schedules):
+            waiting[index] = self._post(next(schedule), inboxes)
+        while waiting:
+            ready = [i for i, round_ in waiting.items()
+                     if all(_key(round_.tag, s) in inboxes[i] for s in round_.expects)]
+            if not ready:
+                raise RuntimeError(f"the shares of step {step} of {seq_id} wait on each other")
+            for index in ready:
+                round_ = waiting.pop(index)
+                got = {s: inboxes[index].pop(_key(round_.tag, s)) for s in round_.expects}
+                try:
+                    waiting[index] = self._post(schedules[index].send(got), inboxes)
+                except StopIteration as done:
+                    outputs = done.value if index == 0 else outputs
+        assert outputs is not None  # share 0 answers for the stage
+        return outputs
+
+    def _post(self, round_: Exchange,
+              inboxes: list[dict[tuple[int, str, int], ShareData]]) -> Exchange:
+        for receiver, message in round_.sends:
+            received = self._carry(message)
+            inboxes[receiver][(received.unit, str(received.phase), received.share)] = received
+        return round_
 
     def _carry(self, message: ShareData) -> ShareData:
         frames = [bytes(f) for f in protocol.encode(message)]
@@ -367,6 +390,17 @@ def whole_units(index: int) -> tuple[str, ...]:
     """The model's own units share `index` runs whole: the embedding on every share, the
     head on share 0, which answers for the stage."""
     return (EMBED, HEAD) if index == 0 else (EMBED,)
+
+
+def _step_rows(tensor: np.ndarray, span: Span) -> np.ndarray:
+    """Rows `span` of a per-step tensor (rotary cos/sin, the query positions: [B, 1, T, x])."""
+    if span.size == tensor.shape[STEP_ROWS_AXIS]:
+        return tensor
+    return np.ascontiguousarray(tensor[:, :, span.start : span.stop])
+
+
+def _key(tag: ShareTag, sender: int) -> tuple[int, str, int]:
+    return tag.unit, str(tag.phase), sender
 
 
 def _rows(message: ShareData) -> np.ndarray:
