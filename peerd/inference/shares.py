@@ -8,9 +8,17 @@ a generator that yields an `Exchange` (the `ShareData` it sends, the senders it 
 and is sent back the messages it waited for. A step's rows (positions) are split among the
 shares by their weights (shards.share_split.split_rows); for every layer half:
 
-    each share: norm its rows (numpy)           -> AllGather: every share has all normed rows
-    each share: its attention / MLP share unit  -> ReduceScatter: each share sums the
-    each share: residual add on its rows           partials of its own rows, in share order
+    each share: norm its rows (numpy)            -> AllGather: sent to every other share
+    each share: its attention / MLP share unit,  -> ReduceScatter: each tile's partial sent
+      one tile per share's rows                     to the tile's owner once computed
+    each share: sum of the partials of its rows, in share order, and the residual add
+
+The tiles overlap the collectives with the block's matrix products (Galaxy's tiled
+overlap): a share runs a tile as soon as its rows are there, its own first where it can, so
+the rows and partials of the other tiles travel meanwhile. Attention runs its tiles in row
+order, each tile's K/V appended before the next (a tile's queries see the earlier tiles'
+keys, as a prompt run in chunks does), so share 0's own tile needs no message; the MLP is
+row by row, so every share starts with its own rows.
 
 The embedding unit runs on every share for all rows: it is a table lookup, and it also
 gives the per-step tensors (rotary cos/sin, mask) every attention share reads for all rows,

@@ -9,8 +9,9 @@ from sharding import reference, sharded, share_units
 from wire_strategies import frames
 
 from peerd.commands.generate import build_pipeline, generate
-from peerd.inference.shares import HEAD, ShareStage
+from peerd.inference.shares import HEAD, Exchange, ShareStage
 from peerd.wire import protocol
+from peerd.wire.protocol import SharePhase
 from shards.executor import StageExecutor
 from shards.sampling import SamplingParams
 from shards.share_split import ShareError
@@ -63,6 +64,50 @@ def test_share_0_alone_runs_the_head_on_the_rows_whose_tokens_are_drawn(hf_check
     assert got.shape == (1, 2, full.shape[2])
     np.testing.assert_allclose(got, full[:, -2:], atol=1e-4, rtol=0)
     assert [HEAD in share.model_units for share in stage.shares] == [True, False]
+
+
+@pytest.mark.slow
+def test_shares_compute_what_needs_no_message_before_they_wait(hf_checkpoint):
+    """Tiled overlap, seen in two shares' schedules of an 8-token prompt (rows 0-3 on share 0,
+    4-7 on share 1), at layer 0's attention: share 0 has its own rows' K/V when it first
+    waits for share 1's rows, and share 1 sends share 0 the partial of share 0's rows before
+    it computes its own."""
+    model_dir = hf_checkpoint("llama", heads=4, kv_heads=2)
+    result = sharded(model_dir)
+    last = len(result.manifest.units) - 1
+    stage = ShareStage(result.manifest, result.directory, 0, last,
+                       share_units(model_dir, (1.0, 1.0)))
+    seen: list[tuple[int, Exchange, int]] = []
+    for share in stage.shares:
+        share.schedule = _recorded(share, seen)
+    stage.step("x", {"input_ids": np.array([PROMPT], np.int64),
+                     "position_ids": np.arange(len(PROMPT))[None]})
+    attention = 1  # layer 0's attention unit
+    first_wait = next(held for share, exchange, held in seen
+                      if share == 0 and exchange.tag.unit == attention and exchange.expects)
+    first_send = next(held for share, exchange, held in seen
+                      if share == 1 and exchange.tag.unit == attention
+                      and exchange.tag.phase == SharePhase.REDUCE and exchange.sends)
+    assert (first_wait, first_send) == (4, 4)
+    assert stage.length("x") == len(PROMPT)
+
+
+def _recorded(share, seen):
+    """`share.schedule`, noting each exchange with the K/V positions the share then holds."""
+    schedule = share.schedule
+
+    def recording(seq_id, step, inputs, rows=None):
+        inner = schedule(seq_id, step, inputs, rows)
+        got = None
+        try:
+            while True:
+                exchange = inner.send(got)
+                seen.append((share.index, exchange, share.length(seq_id)))
+                got = yield exchange
+        except StopIteration as done:
+            return done.value
+
+    return recording
 
 
 def test_more_shares_than_kv_heads_is_refused(hf_checkpoint, tmp_path):
