@@ -33,8 +33,8 @@ no rows; a share sends nothing where the receiver gets no rows, and waits for no
 has none.
 
 Two drivers run the schedule:
-- `ShareStage`, in one process: all N schedules in lockstep, every message encoded and
-  decoded by peerd.wire.protocol (`peerd generate --tensor-parallel N`, the exactness tests);
+- `ShareStage`, in one process: all N schedules, each resumed once the messages it waits
+  for have come, every message encoded and decoded by peerd.wire.protocol (`peerd generate --tensor-parallel N`, the exactness tests);
 - `drive`, on a daemon: this peer's one schedule, its messages sent over the data channel
   and the peers' awaited (peerd.inference.groups).
 Steps of several sequences run one after another (no batching).
@@ -262,7 +262,7 @@ class ShareRunner:
         empty = np.zeros((1, self.kv_heads, 0, self.head_dim), np.float32)
         return self.kv.get(seq_id, {}).get(layer, (empty, empty))
 
-    # -- the stage's outputs --------------------------------------------------------------
+    # -- messages and the stage's outputs -----------------------------------------------
     def _message(self, seq_id: str, step: int, unit: int, phase: SharePhase) -> ShareTag:
         return ShareTag(self.plan, seq_id, step, unit, phase, self.index)
 
