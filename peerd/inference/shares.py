@@ -34,7 +34,8 @@ has none.
 
 Two drivers run the schedule:
 - `ShareStage`, in one process: all N schedules, each resumed once the messages it waits
-  for have come, every message encoded and decoded by peerd.wire.protocol (`peerd generate --tensor-parallel N`, the exactness tests);
+  for have come, every message encoded and decoded by peerd.wire.protocol (`peerd generate
+  --tensor-parallel N`, the exactness tests);
 - `drive`, on a daemon: this peer's one schedule, its messages sent over the data channel
   and the peers' awaited (peerd.inference.groups).
 Steps of several sequences run one after another (no batching).
