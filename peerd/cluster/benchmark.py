@@ -109,8 +109,8 @@ def _fastest_run(session: ort.InferenceSession, size: int, rows: int, seconds: f
     return fastest
 
 
-class FlopsMeter:
-    """This peer's FLOP/s, measured off the event loop and re-measured when old."""
+class SpeedMeter:
+    """This peer's speeds (`Speeds`), measured off the event loop and re-measured when old."""
 
     def __init__(self, max_age_s: float = FLOPS_MAX_AGE_S):
         self.speeds = Speeds(0.0, 0.0)

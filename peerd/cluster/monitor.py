@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from peerd.cluster.benchmark import FlopsMeter
+from peerd.cluster.benchmark import SpeedMeter
 from peerd.errors import PeerdError
 from peerd.wire.protocol import Battery, PeerFigures
 
@@ -195,12 +195,12 @@ class Monitor:
         self._peer_id = peer_id
         self._memory_budget = memory_budget
         self.battery = BatterySource(battery_file)
-        self.flops = FlopsMeter()
+        self.speeds = SpeedMeter()
         self._load = LoadMeter()
         self._model = model
 
     async def figures(self) -> PeerFigures:
-        speeds = await self.flops.current()
+        speeds = await self.speeds.current()
         memory = read_memory(self._memory_budget)
         return PeerFigures(
             id=self._peer_id,

@@ -266,7 +266,7 @@ class ClusterView:
         """Our own FLOP/s (measured at start, then when old) and power, for the election."""
         while True:
             try:
-                flops = (await monitor.flops.current()).decode
+                flops = (await monitor.speeds.current()).decode
             except Exception:  # ONNX Runtime failing: stay unmeasured, try again
                 log.exception("measuring FLOP/s failed")
                 flops = self.election.me.flops

@@ -187,7 +187,7 @@ class Daemon:
         pinned to one core measured 104 GFLOP/s against its twin's 202)."""
         # ONNX Runtime failing to measure: watch_capability logs it and tries again
         with contextlib.suppress(Exception):
-            await self.monitor.flops.current()
+            await self.monitor.speeds.current()
         await host.run()
 
     def stop(self) -> None:

@@ -56,14 +56,14 @@ def test_a_prompts_rows_run_faster_per_flop_than_one_row():
     assert benchmark.calibration_flops(8, 1, rows=3) == 3 * benchmark.calibration_flops(8, 1)
 
 
-async def test_the_flops_meter_measures_once_then_reuses_the_figure(monkeypatch):
+async def test_the_speed_meter_measures_once_then_reuses_the_figures(monkeypatch):
     calls = []
     speeds = benchmark.Speeds(5e9, 6e10)
     monkeypatch.setattr(benchmark, "measure_speeds", lambda: calls.append(1) or speeds)
-    meter = benchmark.FlopsMeter(max_age_s=60)
+    meter = benchmark.SpeedMeter(max_age_s=60)
     assert await meter.current() == speeds and await meter.current() == speeds
     assert len(calls) == 1
-    assert await benchmark.FlopsMeter(max_age_s=0).current() == speeds
+    assert await benchmark.SpeedMeter(max_age_s=0).current() == speeds
 
 
 def test_link_arithmetic():
