@@ -25,11 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from peerd.inference.shares import (
     Exchange,
+    ExchangeKey,
     ShareRunner,
     ShareTag,
     Tensors,
     drive,
     one_by_one,
+    sent_key,
 )
 from peerd.wire.protocol import Message, ShareData, ShareDrop, ShareStep
 from peerd.wire.transport import Transport, TransportError
@@ -39,8 +41,6 @@ from shards.manifest import Manifest
 log = logging.getLogger("peerd.inference.groups")
 
 GROUP_TIMEOUT_S = 10.0  # a member's message of a step comes within this, or it is lost
-
-_Key = tuple[str, int, int, str, int]  # seq_id, step, unit, phase, sender
 
 
 class GroupLost(TransportError):
@@ -52,11 +52,11 @@ class Mailbox:
 
     def __init__(self) -> None:
         self._ready = threading.Condition()
-        self._held: dict[_Key, ShareData] = {}
+        self._held: dict[ExchangeKey, ShareData] = {}
         self._closed = False
 
     def put(self, message: ShareData) -> None:
-        key = (message.seq_id, message.step, message.unit, message.phase, message.share)
+        key = sent_key(message)
         with self._ready:
             self._held[key] = message
             self._ready.notify_all()
@@ -64,7 +64,7 @@ class Mailbox:
     def take(self, tag: ShareTag, senders: Sequence[int], timeout_s: float
              ) -> dict[int, ShareData]:
         """The messages of exchange `tag` from `senders`, waiting at most `timeout_s`."""
-        keys = {s: (tag.seq_id, tag.step, tag.unit, str(tag.phase), s) for s in senders}
+        keys = {s: tag.from_sender(s) for s in senders}
         with self._ready:
             come = self._ready.wait_for(
                 lambda: self._closed or all(k in self._held for k in keys.values()), timeout_s)

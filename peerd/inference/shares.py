@@ -63,6 +63,14 @@ EMBED, HEAD = "embed", "head"
 Tensors = dict[str, np.ndarray]
 
 
+ExchangeKey = tuple[str, int, int, str, int]  # seq_id, step, unit, phase, sender
+
+
+def sent_key(message: ShareData) -> ExchangeKey:
+    """Which exchange a message belongs to, and its sender: what a receiver files it by."""
+    return message.seq_id, message.step, message.unit, str(message.phase), message.share
+
+
 @dataclass(frozen=True)
 class ShareTag:
     """What every message of one exchange is tagged with (and its sender, `share`)."""
@@ -73,6 +81,10 @@ class ShareTag:
     unit: int
     phase: SharePhase
     share: int
+
+    def from_sender(self, sender: int) -> ExchangeKey:
+        """The key of the message of this exchange that `sender` sends (`sent_key`)."""
+        return self.seq_id, self.step, self.unit, str(self.phase), sender
 
     def phase_of(self, phase: SharePhase) -> ShareTag:
         return ShareTag(self.plan, self.seq_id, self.step, self.unit, phase, self.share)
@@ -340,19 +352,19 @@ class ShareStage:
         step = self._steps.get(seq_id, 0)
         self._steps[seq_id] = step + 1
         schedules = [share.schedule(seq_id, step, inputs, rows) for share in self.shares]
-        inboxes: list[dict[tuple[int, str, int], ShareData]] = [{} for _ in schedules]
+        inboxes: list[dict[ExchangeKey, ShareData]] = [{} for _ in schedules]
         waiting: dict[int, Exchange] = {}
         outputs: Tensors | None = None
         for index, schedule in enumerate(schedules):
             waiting[index] = self._post(next(schedule), inboxes)
         while waiting:
             ready = [i for i, round_ in waiting.items()
-                     if all(_key(round_.tag, s) in inboxes[i] for s in round_.expects)]
+                     if all(round_.tag.from_sender(s) in inboxes[i] for s in round_.expects)]
             if not ready:
                 raise RuntimeError(f"the shares of step {step} of {seq_id} wait on each other")
             for index in ready:
                 round_ = waiting.pop(index)
-                got = {s: inboxes[index].pop(_key(round_.tag, s)) for s in round_.expects}
+                got = {s: inboxes[index].pop(round_.tag.from_sender(s)) for s in round_.expects}
                 try:
                     waiting[index] = self._post(schedules[index].send(got), inboxes)
                 except StopIteration as done:
@@ -361,10 +373,10 @@ class ShareStage:
         return outputs
 
     def _post(self, round_: Exchange,
-              inboxes: list[dict[tuple[int, str, int], ShareData]]) -> Exchange:
+              inboxes: list[dict[ExchangeKey, ShareData]]) -> Exchange:
         for receiver, message in round_.sends:
             received = self._carry(message)
-            inboxes[receiver][(received.unit, str(received.phase), received.share)] = received
+            inboxes[receiver][sent_key(received)] = received
         return round_
 
     def _carry(self, message: ShareData) -> ShareData:
@@ -406,10 +418,6 @@ def _step_rows(tensor: np.ndarray, span: Span) -> np.ndarray:
     if span.size == tensor.shape[STEP_ROWS_AXIS]:
         return tensor
     return np.ascontiguousarray(tensor[:, :, span.start : span.stop])
-
-
-def _key(tag: ShareTag, sender: int) -> tuple[int, str, int]:
-    return tag.unit, str(tag.phase), sender
 
 
 def _rows(message: ShareData) -> np.ndarray:
