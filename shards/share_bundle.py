@@ -7,7 +7,9 @@ model sharded in SHARD_DIR, split by the weights, into OUT, with `OUT/bundle.jso
 share unit's files (named as written, with sha256 and size), the pre-norms (float32 lists:
 exact), their eps and whether the residual starts from the normed state. The daemon runs it
 in a child process (it needs torch) and reads the document back (`read_bundle`); progress
-goes to stderr, one line at a time.
+goes to stderr, one line at a time. A failed export leaves nothing in OUT; one that found
+its filesystem full says so in one line naming the directory and exits with EX_TEMPFAIL, so
+the daemon exports again once there is room.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -79,6 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         weights = [float(w) for w in args.weights.split(",")]
         write_bundle(args.model, args.shard_dir, args.out, weights, args.first, args.last)
     except Exception as exc:  # one line for the daemon's log and the members' reports
+        from peerd import statedir
+
+        full = statedir.is_no_space(exc, args.out.parent)
+        shutil.rmtree(args.out, ignore_errors=True)
+        if full:
+            no_space = statedir.NoSpace(args.out.parent, f"exporting share units of units "
+                                                         f"{args.first}-{args.last}")
+            print(f"share export failed: {no_space}", file=sys.stderr)
+            return statedir.EX_TEMPFAIL
         print(f"share export failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -13,7 +13,9 @@ peer runs the units this one makes, so they all run the same quantisation.
 
 A child that ran out of space (it exits with EX_TEMPFAIL and names the full directory) leaves
 the model failed until the shard cache's filesystem has more room than it had then; sharding
-then starts again by itself, so freeing space is all a user has to do.
+then starts again by itself, so freeing space is all a user has to do. The share units of a
+group stage, exported in a child too, go the same way: refused with the child's line while
+the disk is full, exported again when asked once there is room.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class ModelHost:
                 log.error("cannot serve model %s: %s", self.name, exc)
                 if not exc.no_space:
                     return
-            await self._until_room()
+            await self._until_room(f"sharding model {self.name}")
             self.state = ModelState.SHARDING
         self.manifest, self.files = manifest, manifest.files_in(directory)
         self.directory = directory
@@ -124,12 +126,13 @@ class ModelHost:
                 self.detail = text.removeprefix("shard: ").removeprefix("peerd: ")
                 log.info("sharding %s: %s", self.name, self.detail)
 
-    async def _until_room(self) -> None:
-        """Wait until the shard cache's filesystem has gained room since the failure."""
+    async def _until_room(self, then: str) -> None:
+        """Wait until the state directory's filesystem has gained room since the failure,
+        to do what failed (`then`) again."""
         free_then = _free_bytes(self._state_dir)
         while _free_bytes(self._state_dir) < free_then + ROOM_TO_RETRY:
             await asyncio.sleep(SPACE_POLL_S)
-        log.info("room in %s again: sharding model %s again", self._state_dir, self.name)
+        log.info("room in %s again: %s again", self._state_dir, then)
 
     def offer(self, req: int, have: str | None) -> ManifestOffer:
         """The answer to a manifest request; the manifest is left out when the asker has it."""
@@ -174,10 +177,11 @@ class ModelHost:
                 bundle.ready(found)
             else:
                 bundle.task = asyncio.get_running_loop().create_task(
-                    self._export(bundle, request, directory))
+                    self._export(key, bundle, request, directory))
         return bundle.offer(request.req)
 
-    async def _export(self, bundle: _Bundle, request: SharesRequest, shard_dir: Path) -> None:
+    async def _export(self, key: str, bundle: _Bundle, request: SharesRequest,
+                      shard_dir: Path) -> None:
         log.info("exporting share units of units %d-%d for weights %s", request.first,
                  request.last, list(request.weights))
         bundle.process = process = await asyncio.create_subprocess_exec(
@@ -190,11 +194,16 @@ class ModelHost:
             if text := line.decode(errors="replace").strip():
                 bundle.detail = text
                 log.info("share units: %s", text)
-        found = read_bundle(bundle.out) if await process.wait() == 0 else None
+        code = await process.wait()
+        found = read_bundle(bundle.out) if code == 0 else None
         if found is None:
             bundle.state = ExportState.FAILED
             log.error("share units of units %d-%d: %s", request.first, request.last,
                       bundle.detail)
+            if code == statedir.EX_TEMPFAIL:  # a full disk: asked again, export again
+                await self._until_room(f"exporting share units of units "
+                                       f"{request.first}-{request.last}")
+                del self._bundles[key]
             return
         bundle.ready(found)
 

@@ -1,5 +1,5 @@
-"""The model peer's side: sharding in a child process, the manifest offer, and a daemon that
-never imports torch."""
+"""The model peer's side: sharding in a child process, the manifest offer, share units of a
+group exported in a child (on a full disk too), and a daemon that never imports torch."""
 
 from __future__ import annotations
 
@@ -11,13 +11,16 @@ from pathlib import Path
 
 import pytest
 from daemon_objects import unstarted_daemon
+from disks import fill, tmpfs
 from sharding import sharded
+from waiting import eventually
 
 from peerd.commands.cli import build_parser
-from peerd.control.model_host import ModelHost
+from peerd.control.model_host import SHARES_SUBDIR, ModelHost
 from peerd.control.unit_transfer import ChunkServer
 from peerd.daemon.start import options_from_args
-from peerd.wire.protocol import UnitChunk, UnitChunkRequest
+from peerd.wire.protocol import SharesRequest, UnitChunk, UnitChunkRequest
+from peerd.wire.states import ExportState
 from shards.manifest import Manifest, Quant
 
 
@@ -63,6 +66,35 @@ async def test_a_corrupted_data_file_in_the_shard_cache_is_refused_in_one_line(
     assert (host.state, host.files, host.manifest) == ("failed", {}, None)
     assert host.detail == (f"unit head: {cached / data.name} does not match its manifest "
                            f"(remove {cached} to shard the model again)")
+
+
+@pytest.mark.slow
+async def test_share_units_on_a_full_disk_fail_naming_it_then_export_once_there_is_room(
+    hf_checkpoint, tmp_path,
+):
+    model_dir = hf_checkpoint("llama", heads=4, kv_heads=2)
+    with tmpfs(tmp_path / "state", "64m") as state_dir:
+        host = ModelHost(model_dir, state_dir)
+        await host.run()
+        assert host.state == "ready", host.detail
+        assert host.manifest is not None
+        request = SharesRequest(0, host.manifest.key, 0, len(host.manifest.units) - 1,
+                                (1.0, 1.0))
+        ballast = state_dir / "ballast"
+        fill(ballast)
+        failed = await eventually(
+            lambda: (offer := host.shares(request)).state == ExportState.FAILED and offer,
+            "the export to fail", timeout=120)
+        assert f"no space left in {state_dir / SHARES_SUBDIR}" in failed.detail
+        assert "\n" not in failed.detail
+        assert host.shares(request).state == ExportState.FAILED, "not again while full"
+        ballast.unlink()
+        ready = await eventually(
+            lambda: (offer := host.shares(request)).state == ExportState.READY and offer,
+            "the export to run again and finish", timeout=120)
+        assert ready.units and all(host.served()[f.sha256].is_file()
+                                   for unit in ready.units for f in unit.files)
+        await host.close()
 
 
 @pytest.mark.parametrize(("flags", "quant"), [
