@@ -39,18 +39,18 @@ def is_no_space(exc: BaseException, directory: Path | None = None) -> bool:
     tofile, which torch.onnx writes external weights with, says only "problem writing element
     N to file"). Ask before removing what the failed write left."""
     seen: set[int] = set()
+    unnumbered = False
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         if isinstance(current, OSError) and current.errno == errno.ENOSPC:
             return True
-        if isinstance(current, OSError) and current.errno is None and directory is not None:
-            return _free_bytes(directory) < FULL_BYTES
+        unnumbered |= isinstance(current, OSError) and current.errno is None
         seen.add(id(current))
         current = current.__cause__ or current.__context__
-    return False
+    return unnumbered and directory is not None and free_bytes(directory) < FULL_BYTES
 
 
-def _free_bytes(path: Path) -> int:
+def free_bytes(path: Path) -> int:
     """Room left on the filesystem that holds `path`, or would hold it."""
     while not path.exists() and path.parent != path:
         path = path.parent
