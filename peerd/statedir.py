@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ from peerd.errors import PeerdError
 
 SOCKET_NAME = "peerd.sock"
 EX_TEMPFAIL = 75  # sysexits.h: a temporary failure, worth trying again later
-FULL_BYTES = 1 << 20  # a filesystem with less room than this left is full
 
 
 class NoSpace(PeerdError):
@@ -32,29 +30,17 @@ class NoSpace(PeerdError):
         super().__init__(f"no space left in {directory} ({writing})")
 
 
-def is_no_space(exc: BaseException, directory: Path | None = None) -> bool:
+def is_no_space(exc: BaseException) -> bool:
     """Whether `exc`, or an exception it was raised from or during, is ENOSPC (libraries such
-    as the ONNX exporter wrap the OSError of a failed write); or, given the `directory`
-    written to, an OSError with no errno at all raised while its filesystem is full (numpy's
-    tofile, which torch.onnx writes external weights with, says only "problem writing element
-    N to file"). Ask before removing what the failed write left."""
+    as the ONNX exporter wrap the OSError of a failed write)."""
     seen: set[int] = set()
-    unnumbered = False
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         if isinstance(current, OSError) and current.errno == errno.ENOSPC:
             return True
-        unnumbered |= isinstance(current, OSError) and current.errno is None
         seen.add(id(current))
         current = current.__cause__ or current.__context__
-    return unnumbered and directory is not None and free_bytes(directory) < FULL_BYTES
-
-
-def free_bytes(path: Path) -> int:
-    """Room left on the filesystem that holds `path`, or would hold it."""
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    return shutil.disk_usage(path).free
+    return False
 
 
 def resolve(explicit: str | None = None) -> Path:

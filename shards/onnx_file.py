@@ -20,8 +20,10 @@ copy from parsing the model.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 
 _CHUNK = 16 * 1024 * 1024
 _ALIGN = 4096  # every weight starts on a page, so it can be mapped as it is
+_ROOM_LEFT = 1 << 20  # what a write must leave free: the exporter's own files
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,18 @@ class WrittenUnit:
 
 
 def save_external(program: ONNXProgram, directory: Path) -> Path:
-    """Save `program` into `directory` with its weights in a separate data file."""
+    """Save `program` into `directory` with its weights in a separate data file. Where the
+    filesystem lacks room for the weights (and _ROOM_LEFT beside them), this raises ENOSPC
+    before writing: the exporter writes weights with numpy's tofile, whose OSError on a
+    full disk has no errno ("problem writing element N to file") and whose partial file is
+    removed before the error comes up, so afterwards a full disk cannot be told from any
+    other failure."""
+    needed = sum(value.const_value.nbytes for value in program.model.graph.initializers.values()
+                 if value.const_value is not None)
+    free = shutil.disk_usage(directory).free
+    if free < needed + _ROOM_LEFT:
+        raise OSError(errno.ENOSPC, f"no space left in {directory}: {needed} bytes of "
+                      f"weights to write, {free} free")
     staged = Path(directory) / "model.onnx"
     program.save(str(staged), external_data=True)
     return staged

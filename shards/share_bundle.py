@@ -84,9 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # one line for the daemon's log and the members' reports
         from peerd import statedir
 
-        full = statedir.is_no_space(exc, args.out.parent)
         shutil.rmtree(args.out, ignore_errors=True)
-        if full:
+        if statedir.is_no_space(exc):
             no_space = statedir.NoSpace(args.out.parent, f"exporting share units of units "
                                                          f"{args.first}-{args.last}")
             print(f"share export failed: {no_space}", file=sys.stderr)

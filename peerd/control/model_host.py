@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -128,8 +129,8 @@ class ModelHost:
     async def _until_room(self, then: str) -> None:
         """Wait until the state directory's filesystem has gained room since the failure,
         to do what failed (`then`) again."""
-        free_then = statedir.free_bytes(self._state_dir)
-        while statedir.free_bytes(self._state_dir) < free_then + ROOM_TO_RETRY:
+        free_then = _free_bytes(self._state_dir)
+        while _free_bytes(self._state_dir) < free_then + ROOM_TO_RETRY:
             await asyncio.sleep(SPACE_POLL_S)
         log.info("room in %s again: %s again", self._state_dir, then)
 
@@ -214,6 +215,10 @@ class ShardingFailed(Exception):
     def __init__(self, message: str, no_space: bool = False) -> None:
         super().__init__(message)
         self.no_space = no_space
+
+
+def _free_bytes(directory: Path) -> int:
+    return shutil.disk_usage(directory).free
 
 
 def _checked_manifest(directory: Path) -> Manifest:

@@ -9,9 +9,11 @@ import subprocess
 import sys
 
 import pytest
+from disks import tmpfs
 from sharding import sharded, state_dir
 
 from peerd.commands.cli import main
+from peerd.statedir import EX_TEMPFAIL
 from shards import export
 from shards.manifest import Quant
 
@@ -98,3 +100,20 @@ def test_a_written_unit_that_does_not_load_fails_the_command_in_one_line(
     assert error.startswith("peerd: unit head: written file 003-head.onnx does not load in "
                             "ONNX Runtime: ") and "out of bounds" in error, error
     assert list(tmp_path.iterdir()) == [], "nothing half-made is left"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", ["3m", "9m", "11m"])
+def test_a_disk_that_fills_during_the_export_exits_tempfail_naming_it(hf_checkpoint, tmp_path,
+                                                                     size):
+    """Room for some units, not all: at 9 and 11 MB the weights of a unit do not fit where
+    torch.onnx writes them, whose numpy write fails with an OSError without an errno. The
+    command says the disk is full, in one line, with the exit code a daemon retries on,
+    and leaves nothing behind."""
+    model_dir = hf_checkpoint("llama", hidden=256, vocab_size=4096)
+    with tmpfs(tmp_path / "state", size) as state:
+        shard = _peerd("shard", str(model_dir), state=str(state))
+        assert shard.returncode == EX_TEMPFAIL, shard.stderr
+        last = shard.stderr.strip().splitlines()[-1]
+        assert last == f"peerd: no space left in {state / 'shards'} (sharding {model_dir.name})"
+        assert not any((state / "shards").iterdir()), "the partial units are gone"
