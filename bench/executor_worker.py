@@ -22,7 +22,7 @@ from shards.manifest import Manifest
 
 VARIANTS = {
     "defaults": ExecutorOptions(),
-    "arena": ExecutorOptions(memory_arena=True),
+    "no-arena": ExecutorOptions(memory_arena=False),
     "no-prepack": ExecutorOptions(prepacking=False),
 }
 
@@ -78,7 +78,8 @@ def _answer(stage: StageExecutor, prompt_tokens: int, tokens: int) -> dict[str, 
     prompt = np.arange(prompt_tokens) * 7919 % (stage.manifest.model.vocab_size - 3) + 3
     started = time.perf_counter()
     logits = stage.step("s", {"input_ids": prompt[None],
-                              "position_ids": np.arange(prompt_tokens)[None]})["logits"]
+                              "position_ids": np.arange(prompt_tokens)[None]},
+                        rows=1)["logits"]  # the head on the drawn row, as a peer runs it
     prefilled = time.perf_counter()
     for position in range(prompt_tokens, prompt_tokens + tokens):
         token = int(logits[0, -1].argmax())

@@ -56,6 +56,8 @@ Value = np.ndarray | NativeValue
 Outcome = dict[str, np.ndarray] | Exception  # a step's outputs, or why it failed
 _CPU = native.OrtDevice(native.OrtDevice.cpu(), native.OrtDevice.default_memory(), 0)
 _RUN_OPTIONS = native.RunOptions()
+_SHRINK_ARENA = native.RunOptions()  # the run that ends a step on the process arena
+_SHRINK_ARENA.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
 WARM_UP_RUNS = 5
 
 
@@ -71,13 +73,15 @@ class ExecutorOptions:
     pools of units that just ran would otherwise keep spinning on the cores the next unit
     needs (1.4 s instead of 55 ms per token there).
 
-    memory_arena is off by default: each session (one per unit) would keep its own arena at
-    the peak its unit ever needed, never handed back, so one long prompt leaves every unit's
-    peak resident at once. All 50 units of the 24-layer hidden-1024 model in one executor,
-    after a 512-token prompt: 3219 MB resident with arenas against 1800 MB without for
-    float32 (1345 MB of weights), 2212 against 877 MB for int4 (210 MB); after 1024 tokens,
-    int4: 10.8 GB against 1.3 GB. Decode speed with arenas was x0.86 to x1.08 of without,
-    within the noise of the loaded machine (bench/executor_memory.py).
+    memory_arena: every session of the process allocates from one ONNX Runtime arena
+    (`use_process_arena`), handed back at the end of each step (the last unit's run shrinks
+    it). Without an arena, a long prompt's attention scores go to the system on every unit:
+    glibc maps an allocation over 32 MB afresh each time and its pages fault in zeroed. A
+    1024-token prompt on the 24-layer hidden-1024 model prefilled in 2.91 s without, 2.04 s
+    with the arena (int4: 2.87 against 1.89 s), leaving 1847 against 1662 MB resident, at
+    the same decode speed (bench/executor_memory.py). An arena of each session's own (ONNX
+    Runtime's default) would keep every unit's peak at once and never hand it back: 3219 MB
+    resident against 1800 MB without, after a 512-token prompt on the same model.
     prepacking stays on: ONNX Runtime releases a memory-mapped weight once it has re-laid it
     out, so float32 holds one copy either way (1314 MB resident with, 1315 without), while
     without it int8 decodes at x0.58 and int4's MatMulNBits at under 1% of the speed.
@@ -96,7 +100,7 @@ class ExecutorOptions:
     threads: int = 0
     spinning: bool = False
     providers: tuple[str, ...] = ("CPUExecutionProvider",)
-    memory_arena: bool = False
+    memory_arena: bool = True
     prepacking: bool = True
     shared_pool: bool = False
 
@@ -137,6 +141,7 @@ class StageExecutor:
             for u in self.units
         ]
         self._runs = [_NativeRun(session) for session in self._sessions]
+        self._step_end = _SHRINK_ARENA if options.memory_arena else _RUN_OPTIONS
         self.exit = exit
         self._exit_session = None if exit is None else shelf.session(
             manifest, manifest.units[exit.head],
@@ -294,10 +299,12 @@ class StageExecutor:
                    unit_s: dict[int, float] | None, rows: int | None = None
                    ) -> dict[str, NativeValue]:
         new_state: dict[str, NativeValue] = {}
+        last = self.units[-1]
         for unit, run in zip(self.units, self._runs, strict=True):
             started = time.perf_counter()
             self._run_unit(unit, run, values, state, new_state,
-                           rows if unit.sampled else None)
+                           rows if unit.sampled else None,
+                           self._step_end if unit is last else _RUN_OPTIONS)
             if unit_s is not None:
                 unit_s[unit.index] = time.perf_counter() - started
         return new_state
@@ -310,6 +317,7 @@ class StageExecutor:
         state: dict[str, Value],
         new_state: dict[str, NativeValue],
         rows: int | None = None,
+        run_options: Any = _RUN_OPTIONS,
     ) -> None:
         """Run `unit` on `values` (on its inputs' last `rows` positions, if given)."""
         given = {inp.name: values[inp.name] for inp in unit.inputs}
@@ -317,7 +325,7 @@ class StageExecutor:
             given = {name: last_rows(_numpy(value), rows) for name, value in given.items()}
         feeds = {name: _native(value) for name, value in given.items()}
         feeds.update((spec.input, _native(state[spec.input])) for spec in unit.state)
-        produced = run(feeds)
+        produced = run(feeds, run_options)
         for spec in unit.state:
             new_state[spec.input] = produced.pop(spec.output)
         values.update(produced)
@@ -458,6 +466,9 @@ def _session(path: Path, options: ExecutorOptions) -> ort.InferenceSession:
     if options.shared_pool:
         use_shared_pool(options.threads or usable_cores())
     so = session_options(options.threads, options.spinning)
+    if options.memory_arena:
+        use_process_arena()
+        so.add_session_config_entry("session.use_env_allocators", "1")
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.add_session_config_entry("session.disable_prepacking", str(int(not options.prepacking)))
@@ -466,6 +477,24 @@ def _session(path: Path, options: ExecutorOptions) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), so, providers=list(options.providers))
 
 
+_process_arena = False
+_process_arena_lock = threading.Lock()
+
+
+def use_process_arena() -> None:
+    """Register the process's one CPU arena (ExecutorOptions.memory_arena), for sessions
+    built with `session.use_env_allocators`. It grows by what is asked, no more (ONNX
+    Runtime's default doubles)."""
+    global _process_arena
+    with _process_arena_lock:
+        if not _process_arena:
+            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+                                     ort.OrtMemType.DEFAULT)
+            ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, _SAME_AS_REQUESTED, -1, -1))
+            _process_arena = True
+
+
+_SAME_AS_REQUESTED = 1  # ONNX Runtime's ArenaExtendStrategy::kSameAsRequested
 _shared_pool_threads: int | None = None
 _shared_pool_lock = threading.Lock()
 
@@ -615,8 +644,9 @@ class _NativeRun:
         self._run = native_session.run_with_ort_values
         self._names = [o.name for o in session.get_outputs()]
 
-    def __call__(self, feeds: dict[str, NativeValue]) -> dict[str, NativeValue]:
-        produced = self._run(feeds, self._names, _RUN_OPTIONS)
+    def __call__(self, feeds: dict[str, NativeValue],
+                 run_options: Any = _RUN_OPTIONS) -> dict[str, NativeValue]:
+        produced = self._run(feeds, self._names, run_options)
         # by index: iterating the native vector took 70-90 us, indexing it 3
         return {name: produced[i] for i, name in enumerate(self._names)}
 

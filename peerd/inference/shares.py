@@ -44,7 +44,7 @@ Steps of several sequences run one after another (no batching).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -147,9 +147,11 @@ class ShareRunner:
         self.exit = None  # no early exit on shares (yet)
         options = options or ExecutorOptions()
         shelf = SessionShelf()  # its own sessions, as on a peer of its own
+        # no process arena: a share's runs have no step end that would hand it back
+        whole = replace(options, memory_arena=False)
         self.model_units = {
             unit.name: shelf.session(manifest, unit, Path(directory) / unit.model_file.name,
-                                     options)
+                                     whole)
             for unit in self.units if unit.name in whole_units(index)}
         so = session_options(options.threads, options.spinning)  # the process's pool, if any
         self.blocks = {

@@ -106,13 +106,15 @@ def test_thread_count_is_set_explicitly(toy, threads, expected):
 
 
 @pytest.mark.parametrize("options", [ExecutorOptions(),
-                                     ExecutorOptions(memory_arena=True, prepacking=False)])
+                                     ExecutorOptions(memory_arena=False, prepacking=False)])
 def test_memory_options_reach_every_session(toy, options):
     _, manifest, directory = toy
     stage = StageExecutor(manifest, directory, 0, 2, options)
     for session in stage._sessions:
         session_options = session.get_session_options()
         assert session_options.enable_cpu_mem_arena is options.memory_arena
+        if options.memory_arena:  # the process's one arena, not one of the session's own
+            assert session_options.get_session_config_entry("session.use_env_allocators") == "1"
         disabled = session_options.get_session_config_entry("session.disable_prepacking")
         assert disabled == str(int(not options.prepacking))
 
@@ -121,5 +123,5 @@ def test_memory_options_do_not_change_the_answer(toy):
     _, manifest, directory = toy
     logits = [_generate_logits([StageExecutor(manifest, directory, 0, 2, options)], "s", 3)
               for options in (ExecutorOptions(),
-                              ExecutorOptions(memory_arena=True, prepacking=False))]
+                              ExecutorOptions(memory_arena=False, prepacking=False))]
     np.testing.assert_allclose(logits[0], logits[1], rtol=1e-5, atol=1e-6)
