@@ -56,8 +56,8 @@ Value = np.ndarray | NativeValue
 Outcome = dict[str, np.ndarray] | Exception  # a step's outputs, or why it failed
 _CPU = native.OrtDevice(native.OrtDevice.cpu(), native.OrtDevice.default_memory(), 0)
 _RUN_OPTIONS = native.RunOptions()
-STEP_END = native.RunOptions()  # for the run that ends a step: hands the process arena back
-STEP_END.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+_SHRINK_ARENA = native.RunOptions()  # the run that ends a step on the process arena
+_SHRINK_ARENA.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
 WARM_UP_RUNS = 5
 
 
@@ -141,7 +141,7 @@ class StageExecutor:
             for u in self.units
         ]
         self._runs = [_NativeRun(session) for session in self._sessions]
-        self._step_end = STEP_END if options.memory_arena else _RUN_OPTIONS
+        self._step_end = _SHRINK_ARENA if options.memory_arena else _RUN_OPTIONS
         self.exit = exit
         self._exit_session = None if exit is None else shelf.session(
             manifest, manifest.units[exit.head],
@@ -465,14 +465,6 @@ class StageExecutor:
 def _session(path: Path, options: ExecutorOptions) -> ort.InferenceSession:
     if options.shared_pool:
         use_shared_pool(options.threads or usable_cores())
-    return ort.InferenceSession(str(path), unit_session_options(options),
-                                providers=list(options.providers))
-
-
-def unit_session_options(options: ExecutorOptions) -> ort.SessionOptions:
-    """The session options of a unit's session: the process's threading (`session_options`)
-    and, with `options.memory_arena`, its one arena; then whoever runs the session runs the
-    last run of each step with `STEP_END`."""
     so = session_options(options.threads, options.spinning)
     if options.memory_arena:
         use_process_arena()
@@ -482,10 +474,9 @@ def unit_session_options(options: ExecutorOptions) -> ort.SessionOptions:
     so.add_session_config_entry("session.disable_prepacking", str(int(not options.prepacking)))
     so.enable_cpu_mem_arena = options.memory_arena
     so.log_severity_level = 3
-    return so
+    return ort.InferenceSession(str(path), so, providers=list(options.providers))
 
 
-_SAME_AS_REQUESTED = 1  # ONNX Runtime's ArenaExtendStrategy::kSameAsRequested
 _process_arena = False
 _process_arena_lock = threading.Lock()
 
@@ -503,6 +494,7 @@ def use_process_arena() -> None:
             _process_arena = True
 
 
+_SAME_AS_REQUESTED = 1  # ONNX Runtime's ArenaExtendStrategy::kSameAsRequested
 _shared_pool_threads: int | None = None
 _shared_pool_lock = threading.Lock()
 

@@ -44,7 +44,7 @@ Steps of several sequences run one after another (no batching).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -52,14 +52,7 @@ import onnxruntime as ort
 
 from peerd.wire import protocol
 from peerd.wire.protocol import ShareData, SharePhase
-from shards.executor import (
-    STEP_END,
-    ExecutorOptions,
-    Outcome,
-    SessionShelf,
-    last_rows,
-    unit_session_options,
-)
+from shards.executor import ExecutorOptions, Outcome, SessionShelf, last_rows, session_options
 from shards.manifest import Manifest, Unit
 from shards.share_layout import ATTN, HIDDEN, MLP, NORMED, PAST, ShareUnits, step_inputs
 from shards.share_split import ShareError, Span, split_rows
@@ -154,20 +147,18 @@ class ShareRunner:
         self.exit = None  # no early exit on shares (yet)
         options = options or ExecutorOptions()
         shelf = SessionShelf()  # its own sessions, as on a peer of its own
+        # no process arena: a share's runs have no step end that would hand it back
+        whole = replace(options, memory_arena=False)
         self.model_units = {
             unit.name: shelf.session(manifest, unit, Path(directory) / unit.model_file.name,
-                                     options)
+                                     whole)
             for unit in self.units if unit.name in whole_units(index)}
-        so = unit_session_options(options)
+        so = session_options(options.threads, options.spinning)  # the process's pool, if any
         self.blocks = {
             _block(unit): ort.InferenceSession(
                 str(units.unit(*_block(unit), index).path), so,
                 providers=list(options.providers))
             for unit in self.units if unit.name not in (EMBED, HEAD)}
-        # the stage's last layer half and its head end a step: they hand the arena back
-        self._step_end = STEP_END if options.memory_arena else None
-        self._last_block = max((unit.index for unit in self.units
-                                if unit.name not in (EMBED, HEAD)), default=None)
         self.kv_heads = units.shares[index].kv_heads.size
         self.kv: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
 
@@ -218,12 +209,11 @@ class ShareRunner:
                 yield from self._layer_half(unit, seq_id, step, state)
         return (yield from self._outputs(seq_id, step, state, rows))
 
-    def _run_unit(self, name: str, feeds: Tensors,
-                  run_options: ort.RunOptions | None = None) -> Tensors:
+    def _run_unit(self, name: str, feeds: Tensors) -> Tensors:
         session = self.model_units[name]
         names = [o.name for o in session.get_outputs()]
-        produced = session.run(names, feeds, run_options)
-        return {name: np.asarray(value) for name, value in zip(names, produced, strict=True)}
+        return {name: np.asarray(value)
+                for name, value in zip(names, session.run(names, feeds), strict=True)}
 
     def _layer_half(self, unit: Unit, seq_id: str, step: int, state: _StepState):
         """Norm my rows, send them to every other share, then run the block tile by tile
@@ -278,8 +268,7 @@ class ShareRunner:
         if half == ATTN:
             feeds |= {name: _step_rows(state.whole[name], span) for name in step_inputs(unit)}
             feeds |= dict(zip(PAST, self._past(seq_id, layer), strict=True))
-        ends = self._step_end if unit.index == self._last_block else None
-        partial, *present = map(np.asarray, self.blocks[(layer, half)].run(None, feeds, ends))
+        partial, *present = map(np.asarray, self.blocks[(layer, half)].run(None, feeds))
         if present:
             self.kv.setdefault(seq_id, {})[layer] = (present[0], present[1])
         return partial
@@ -310,7 +299,7 @@ class ShareRunner:
         if head.name == HEAD:
             hidden = produced[state.rows_name]
             produced = self._run_unit(HEAD, {head.inputs[0].name: hidden if rows is None else
-                                             last_rows(hidden, rows)}, self._step_end)
+                                             last_rows(hidden, rows)})
         return {name: produced[name] if name in produced else state.whole[name]
                 for name in self.outputs}
 
