@@ -477,6 +477,7 @@ def _session(path: Path, options: ExecutorOptions) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), so, providers=list(options.providers))
 
 
+_SAME_AS_REQUESTED = 1  # ONNX Runtime's ArenaExtendStrategy::kSameAsRequested
 _process_arena = False
 _process_arena_lock = threading.Lock()
 
@@ -494,7 +495,6 @@ def use_process_arena() -> None:
             _process_arena = True
 
 
-_SAME_AS_REQUESTED = 1  # ONNX Runtime's ArenaExtendStrategy::kSameAsRequested
 _shared_pool_threads: int | None = None
 _shared_pool_lock = threading.Lock()
 
