@@ -73,8 +73,8 @@ class ExecutorOptions:
     pools of units that just ran would otherwise keep spinning on the cores the next unit
     needs (1.4 s instead of 55 ms per token there).
 
-    memory_arena: every session of the process allocates from one ONNX Runtime arena
-    (`use_process_arena`), handed back at the end of each step (the last unit's run shrinks
+    memory_arena: every session built with it allocates from the process's one ONNX Runtime
+    arena (`use_process_arena`), handed back at the end of each step (the last unit's run shrinks
     it). Without an arena, a long prompt's attention scores go to the system on every unit:
     glibc maps an allocation over 32 MB afresh each time and its pages fault in zeroed. A
     1024-token prompt on the 24-layer hidden-1024 model prefilled in 2.91 s without, 2.04 s

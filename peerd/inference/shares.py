@@ -147,7 +147,8 @@ class ShareRunner:
         self.exit = None  # no early exit on shares (yet)
         options = options or ExecutorOptions()
         shelf = SessionShelf()  # its own sessions, as on a peer of its own
-        # no process arena: a share's runs have no step end that would hand it back
+        # off the process arena: grown again after every step's hand-back, it slowed a
+        # group's first token (docs/architecture.md, "Execution")
         whole = replace(options, memory_arena=False)
         self.model_units = {
             unit.name: shelf.session(manifest, unit, Path(directory) / unit.model_file.name,
