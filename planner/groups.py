@@ -47,6 +47,12 @@ from planner.model import OBJECTIVES, Cluster, Device, Link, Output, Stage, Unit
 FIRST_TOKEN = "first-token"
 SHAPE_OBJECTIVES = (*OBJECTIVES, FIRST_TOKEN)
 MAX_PARTITIONED = 6  # 203 set partitions of 6 peers, each a DP over at most 6 devices
+# A shape on more peers is chosen over one on fewer only when predicted this much faster
+# (current / new - 1, as the rebalancer's margin): a first plan is priced by FLOP/s
+# readings, and two identical cores, each a daemon pinned to its own, read up to 9% apart,
+# enough to make a pipeline of the embedding alone on one and every layer on the other look
+# faster than either alone.
+MORE_PEERS_GAIN = 0.15
 
 
 @dataclass(frozen=True)
@@ -258,9 +264,23 @@ def best_shape(cluster: Cluster, workload: Workload, objective: str, prompt_toke
                                 group_size).values())
 
 
-def fastest(shapes: Iterable[Shape]) -> Shape:
-    """The shape best at its objective; at a tie, the one using fewer peers."""
-    return min(shapes, key=lambda shape: _rank(shape, shape.objective))
+def fastest(shapes: Iterable[Shape], gain: float = MORE_PEERS_GAIN) -> Shape:
+    """The shape best at its objective, where one on more peers replaces one on fewer only
+    when it is predicted faster by at least `gain`."""
+    fewest_first = sorted(shapes, key=lambda shape: (_peers(shape), _value(shape)))
+    chosen = fewest_first[0]
+    for shape in fewest_first[1:]:
+        if _value(chosen) / _value(shape) - 1 >= gain:
+            chosen = shape
+    return chosen
+
+
+def _value(shape: Shape) -> float:
+    return shape.predicted.objective(shape.objective)
+
+
+def _peers(shape: Shape) -> int:
+    return sum(len(stage.shares) for stage in shape.stages)
 
 
 def best_by_kind(cluster: Cluster, workload: Workload, objective: str, prompt_tokens: int,
@@ -273,7 +293,8 @@ def best_by_kind(cluster: Cluster, workload: Workload, objective: str, prompt_to
     if prompt_tokens < 1:
         raise InvalidInput(f"the prompt must have at least 1 token, not {prompt_tokens}")
     best: dict[ShapeKind, Shape] = {}
-    for groups in _sized_groupings(cluster, workload, group_size):
+    source_alone = [(cluster.source,)]  # what the other shapes must beat (`fastest`)
+    for groups in (source_alone, *_sized_groupings(cluster, workload, group_size)):
         shape = _placed(cluster, workload, groups, objective, prompt_tokens)
         if shape and group_size and any(len(s.shares) != group_size for s in shape.stages):
             continue
@@ -289,7 +310,7 @@ def best_by_kind(cluster: Cluster, workload: Workload, objective: str, prompt_to
 
 def _rank(shape: Shape, objective: str) -> tuple[float, int]:
     """By the objective; at a tie, the shape using fewer peers."""
-    return shape.predicted.objective(objective), sum(len(s.shares) for s in shape.stages)
+    return shape.predicted.objective(objective), _peers(shape)
 
 
 def _sized_groupings(cluster: Cluster, workload: Workload,

@@ -9,10 +9,17 @@ prompt runs, so the same chain on `PROMPT_ROWS` rows gives the peer's prompt FLO
 prices time to first token (on one core of the development machine: 20 GFLOP/s on one
 row against 200 on 128 rows; priced at the one-row figure, the 512-token prompt of a
 12-layer hidden-1024 model came to 7 s, where it takes 0.8). Links are
-measured from a source peer to a target: the shortest round trip of a few pings on the control
-channel gives the one-way latency (half of it; the shortest is the one that queued least); a
-timed bulk transfer on the data channel, answered when fully received, gives the bandwidth
-once that round trip is taken out.
+measured from a source peer to a target. The latency is the data path's: a stage's tensors
+leave from its compute thread and are run on the receiver's, so each message also pays two
+hand-offs between a worker thread and an event loop on either side, and threads waking on
+cores that had gone idle. Half the median round trip of a few `Relay`s, sent from a worker
+thread and answered from one of the target's, a few milliseconds apart, measures that (on the
+2-core development machine, two daemons each pinned to a core: 0.7 ms one way, where a ping
+between the event loops measured 0.24 ms and a 2-peer group's decode exchanges took
+1.4 ms each: priced at the ping, the planner predicted a group decoding at 49 ms a token
+that took 116). The shortest round trip of a few pings on the control channel (the one that
+queued least) is taken out of a timed bulk transfer on the data channel, answered when fully
+received, for the bandwidth.
 
 The leader collects every peer's figures and asks every peer in turn to probe all the others,
 so links are measured between every ordered pair, one prober at a time: transfers at once
@@ -25,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import statistics
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -46,6 +54,8 @@ CALIBRATION_DEPTH = 4  # 64 MiB of weights: more than a CPU's last-level cache
 CALIBRATION_SECONDS = 0.25
 FLOPS_MAX_AGE_S = 600.0
 LATENCY_PINGS = 5
+RELAYS = 7
+RELAY_GAP_S = 0.005  # between relays: the receiver's threads idle, as between a stage's steps
 PROMPT_ROWS = 128
 PROBE_BYTES = 4 * 1024 * 1024
 PROBE_TRANSFERS = 2
@@ -126,10 +136,6 @@ class SpeedMeter:
         return self.speeds
 
 
-def one_way_latency(round_trips: Iterable[float]) -> float:
-    return min(round_trips) / 2
-
-
 def transfer_bandwidth(nbytes: int, elapsed_s: float, round_trip_s: float) -> float:
     """Bytes/s of a transfer timed from sending to its acknowledgement.
 
@@ -143,6 +149,7 @@ def transfer_bandwidth(nbytes: int, elapsed_s: float, round_trip_s: float) -> fl
 async def measure_link(
     transport: Transport, source: str, target: str, payload_bytes: int = PROBE_BYTES
 ) -> LinkFigures:
+    latency = await data_path_latency(transport, target)
     round_trips = []
     for _ in range(LATENCY_PINGS):
         start = time.perf_counter()
@@ -158,7 +165,32 @@ async def measure_link(
         await transport.request(target, probe, TRANSFER_TIMEOUT_S)
         elapsed = time.perf_counter() - start
         bandwidth = max(bandwidth, transfer_bandwidth(payload_bytes, elapsed, round_trip))
-    return LinkFigures(source, target, one_way_latency(round_trips), bandwidth)
+    return LinkFigures(source, target, latency, bandwidth)
+
+
+async def data_path_latency(transport: Transport, target: str) -> float:
+    """One way from a worker thread here to one of `target`'s: half the median round trip
+    of `RELAYS` relays."""
+    loop = asyncio.get_running_loop()
+
+    def relay() -> float:  # on a worker thread, as a stage's compute thread sends its tensors
+        start = time.perf_counter()
+        asking = transport.request(target, protocol.Relay(req=0), PING_TIMEOUT_S)
+        asyncio.run_coroutine_threadsafe(asking, loop).result()
+        return time.perf_counter() - start
+
+    round_trips = []
+    for _ in range(RELAYS):
+        round_trips.append(await asyncio.to_thread(relay))
+        await asyncio.sleep(RELAY_GAP_S)
+    return statistics.median(round_trips) / 2
+
+
+def answer_relay(relay: protocol.Relay, reply: Callable[[protocol.Message], None]) -> None:
+    """Answer `relay` from a worker thread, as a stage's compute thread takes and sends
+    (on the event loop)."""
+    loop = asyncio.get_running_loop()
+    loop.run_in_executor(None, loop.call_soon_threadsafe, reply, protocol.Relayed(relay.req))
 
 
 async def measure_links(

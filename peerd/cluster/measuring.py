@@ -17,7 +17,13 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from peerd.cluster import election
-from peerd.cluster.benchmark import PROBE_BYTES, collect_figures, collect_links, measure_links
+from peerd.cluster.benchmark import (
+    PROBE_BYTES,
+    answer_relay,
+    collect_figures,
+    collect_links,
+    measure_links,
+)
 from peerd.cluster.history import FiguresHistory
 from peerd.cluster.membership import Member
 from peerd.cluster.peers import ClusterView, Handler, Publish, VotersChanged
@@ -193,6 +199,7 @@ class Measuring:
             protocol.MeasureRequest: self._measure_request,
             protocol.ProbeRequest: self._probe_request,
             protocol.Ping: self._ping,
+            protocol.Relay: self._relay,
             protocol.BandwidthProbe: self._bandwidth_probe,
             protocol.ClusterReport: self._cluster_report,
         }
@@ -221,6 +228,9 @@ class Measuring:
 
     def _ping(self, member: Member, msg: protocol.Ping, incoming: Incoming) -> None:
         incoming.reply(protocol.Pong(msg.req))
+
+    def _relay(self, member: Member, msg: protocol.Relay, incoming: Incoming) -> None:
+        answer_relay(msg, incoming.reply)
 
     def _bandwidth_probe(self, member: Member, msg: protocol.BandwidthProbe,
                          incoming: Incoming) -> None:

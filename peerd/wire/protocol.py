@@ -39,7 +39,7 @@ from peerd.wire.states import (
 )
 from shards.sampling import Distribution
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 MAX_HEADER_BYTES = 1024 * 1024
 MAX_TENSORS = 4096
@@ -755,6 +755,26 @@ class Ping(Asks["Pong"]):
 @message("pong")
 @dataclasses.dataclass(frozen=True)
 class Pong:
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+
+
+@message("relay", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class Relay(Asks["Relayed"]):
+    """A round trip between the two peers' worker threads, the way a stage's tensors go
+    (the data path's latency): sent from a worker thread of the asker, answered from one of
+    the receiver's."""
+
+    KIND: ClassVar[str]
+    CHANNEL: ClassVar[str]
+    req: int
+
+
+@message("relayed", channel=DATA)
+@dataclasses.dataclass(frozen=True)
+class Relayed:
     KIND: ClassVar[str]
     CHANNEL: ClassVar[str]
     req: int

@@ -3,16 +3,20 @@
 import asyncio
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from waiting import answered
 
 from peerd.cluster import benchmark, calibration_graph
 from peerd.wire import protocol
+from peerd.wire.identity import ClusterSecret, KeyPair
 from peerd.wire.protocol import LinkFigures, PeerFigures
-from peerd.wire.transport import TransportError
+from peerd.wire.transport import Endpoint, Incoming, Transport, TransportError
 
 
 def test_calibration_graph_multiplies_a_row_by_distinct_constant_matrices():
@@ -67,7 +71,6 @@ async def test_the_speed_meter_measures_once_then_reuses_the_figures(monkeypatch
 
 
 def test_link_arithmetic():
-    assert benchmark.one_way_latency([0.010, 0.002, 0.004]) == pytest.approx(0.001)
     assert benchmark.transfer_bandwidth(1_000_000, 0.11, 0.01) == pytest.approx(1e7)
     # A round trip larger than half the transfer is not trusted.
     assert benchmark.transfer_bandwidth(1_000_000, 0.1, 0.09) == pytest.approx(2e7)
@@ -94,6 +97,56 @@ async def test_a_link_is_measured_from_round_trips_and_a_timed_transfer():
     assert (link.source, link.target) == ("a", "b")
     assert link.latency_s == pytest.approx(0.01, rel=0.3)
     assert link.bandwidth_Bps == pytest.approx(10e6, rel=0.2)
+
+
+class LateWorkers(ThreadPoolExecutor):
+    """Worker threads that start every job `lag` seconds late, as threads waking on a core
+    that had gone idle do."""
+
+    def __init__(self, lag: float):
+        super().__init__(max_workers=4)
+        self.lag = lag
+
+    def submit(self, fn, /, *args, **kwargs):
+        def late():
+            time.sleep(self.lag)
+            return fn(*args, **kwargs)
+
+        return super().submit(late)
+
+
+async def test_the_data_path_latency_counts_the_targets_worker_thread():
+    """A relay is answered from a worker thread of the target, so a late worker there shows
+    in the link's latency (half a round trip); the asker's own late start is not timed."""
+    secret, lag = ClusterSecret(b"s" * 32), 0.05
+
+    def handle(incoming: Incoming) -> None:
+        match incoming.msg:
+            case protocol.Relay() as relay:
+                benchmark.answer_relay(relay, incoming.reply)
+            case protocol.Ping(req=req):
+                incoming.reply(protocol.Pong(req))
+            case protocol.BandwidthProbe(req=req, tensors=tensors):
+                incoming.reply(protocol.BandwidthAck(req, tensors["payload"].nbytes))
+
+    keys = [KeyPair.generate(), KeyPair.generate()]
+    nodes = [Transport(k, secret, handle, "127.0.0.1") for k in keys]
+    ports = [node.start() for node in nodes]
+    try:
+        nodes[0].admit(keys[1].public)
+        nodes[1].admit(keys[0].public)
+        nodes[0].connect("b", Endpoint("127.0.0.1", ports[1].control, ports[1].data,
+                                       keys[1].public))
+        nodes[1].connect("a", Endpoint("127.0.0.1", ports[0].control, ports[0].data,
+                                       keys[0].public))
+        await answered(nodes[0], "b", msg=protocol.Relay(req=0))  # both channels shaken hands
+        await answered(nodes[0], "b")
+        asyncio.get_running_loop().set_default_executor(LateWorkers(lag))
+        link = await benchmark.measure_link(nodes[0], "a", "b", payload_bytes=4096)
+    finally:
+        for node in nodes:
+            await node.close()
+    assert link.latency_s >= lag / 2
 
 
 class FailingTransport:

@@ -11,12 +11,14 @@ from planner.cost import simulate
 from planner.errors import Infeasible, InvalidInput
 from planner.groups import (
     FIRST_TOKEN,
+    MORE_PEERS_GAIN,
     GroupStage,
     ShapeKind,
     Share,
     best_by_kind,
     best_shape,
     collective_s,
+    fastest,
     galaxy_shares,
     groupings,
     member_needs,
@@ -109,6 +111,23 @@ def test_slow_links_make_one_peer_or_a_pipeline_the_fastest_decode():
     assert best_shape(cluster, workload, "latency", PROMPT).kind is not ShapeKind.GROUP
     fast = _cluster(2, latency_s=1e-6)
     assert best_shape(fast, workload, "latency", PROMPT).kind is ShapeKind.GROUP
+
+
+def test_a_peer_that_reads_a_little_faster_does_not_take_the_layers_off_the_source():
+    """Two cores alike read 9% apart: a pipeline of the embedding alone on the source and
+    every layer on the other is predicted a little faster than the source alone, but not by
+    MORE_PEERS_GAIN, so the source keeps the model; a peer clearly faster takes the layers."""
+    workload = _workload()
+    slow_link = _cluster(2, latency_s=2e-4, bandwidth_Bps=12.5e6, flops=(1e10, 1.09e10))
+    kinds = best_by_kind(slow_link, workload, FIRST_TOKEN, PROMPT)
+    alone, pipeline = kinds[ShapeKind.ALONE], kinds[ShapeKind.PIPELINE]
+    assert [s.units for s in pipeline.stages] == [range(0, 1), range(1, 18)]
+    gain = alone.predicted.first_token_s / pipeline.predicted.first_token_s - 1
+    assert 0 < gain < MORE_PEERS_GAIN
+    assert fastest(kinds.values(), gain=0.0) == pipeline
+    assert best_shape(slow_link, workload, FIRST_TOKEN, PROMPT) == alone
+    faster = _cluster(2, latency_s=2e-4, bandwidth_Bps=12.5e6, flops=(1e10, 1.5e10))
+    assert best_shape(faster, workload, FIRST_TOKEN, PROMPT).kind is ShapeKind.PIPELINE
 
 
 def test_throughput_prefers_a_pipeline_which_exchanges_nothing_inside_a_stage():

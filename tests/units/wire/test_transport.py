@@ -208,7 +208,7 @@ async def test_an_answer_of_the_wrong_kind_is_an_error(pair):
 
 def test_every_request_names_registered_answers_that_carry_its_number():
     requests = [c for c in protocol.kinds().values() if issubclass(c, protocol.Asks)]
-    assert len(requests) == 12
+    assert len(requests) == 13
     for request in requests:
         answers = protocol.answer_kinds(request)
         assert answers and all(protocol.kinds()[a.KIND] is a for a in answers), request
