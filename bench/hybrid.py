@@ -5,19 +5,24 @@ Each daemon is one "device": its own network namespace (tests/netns.py) and its 
 (started under taskset, so its calibration runs on that core too). The model: a random
 Llama (bench.llama_checkpoint) of `SHAPE`, float32, sharded once under `--dir` and linked
 into every peer's shard cache.
-Rows, each a fresh cluster:
+Rows, each a cluster of its own on a bridge of its own:
 
   one device   one daemon on core 0
   pipeline     two daemons (cores 0 and 1), each offering memory for about 60% of the
                model, so the plan has two stages
   group        two daemons, `--tensor-parallel 2`: one stage, each layer shared by both
 
-For each row, after warm-up answers (ONNX Runtime's first two runs of a new prompt length
-take up to 3x as long, on shares as on whole units; the prompts of the warm-up are others
-than the measured ones, so no K/V is reused): time to first token of `--prompts` prompts of
-`--prompt-tokens` random token ids (median; the chat stats' time_to_first_token_s) and decode
-tokens/s of answers of `--tokens` new tokens (median of the chat stats' tokens_per_second).
-A row whose answer fails is printed with the cluster's reason and counts as the slowest.
+The three clusters serve at once and are measured side by side: each prompt goes to every
+row in turn, so a change in the machine's pace (it moves by a third within minutes on the
+shared development machine) hits every row alike; measured one row after the other, one
+device's first token read 2587 ms in one run and 1860 ms in the next. The rows not answering
+idle meanwhile (about 2% of a core each). After warm-up answers (ONNX Runtime's first two
+runs of a new prompt length take up to 3x as long, on shares as on whole units; the prompts
+of the warm-up are others than the measured ones, so no K/V is reused): time to first token
+of `--prompts` prompts of `--prompt-tokens` random token ids (median; the chat stats'
+time_to_first_token_s) and decode tokens/s of answers of `--tokens` new tokens (median of
+the chat stats' tokens_per_second). A row that fails is printed with the cluster's reason and
+counts as the slowest.
 
 Then the planner's choice: two daemons started with `--shapes --objective first-token`, and
 again with `--objective latency`: the shape the leader deploys is its predicted winner for
@@ -45,11 +50,19 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.llama_checkpoint import LlamaShape, reusable_llama
-from bench.namespaced import load_average, netns, note, run_bench, serving, shard_once
+from bench.namespaced import (
+    linked_state_dirs,
+    load_average,
+    netns,
+    note,
+    run_bench,
+    serving,
+    shard_cache,
+)
 from peerd.commands.chat import stream_answer
 from peerd.commands.local_cluster import budget_share
 from peerd.errors import PeerdError
@@ -93,19 +106,20 @@ def main() -> int:
 
 def _bench(root: Path, args: argparse.Namespace) -> None:
     model_dir = reusable_llama(root, SHAPE, note)
-    manifest, dirs = shard_once(root, model_dir, 2)
+    manifest, cache = shard_cache(root, model_dir)
     prompts = _prompts(args)
     print(f"hybrid parallelism: random Llama, {SHAPE.layers} layers, hidden {SHAPE.hidden}, "
           f"{SHAPE.heads} heads ({SHAPE.kv_heads} K/V), float32; each daemon pinned to its own "
           f"core; {len(prompts)} prompts of {args.prompt_tokens} tokens, answers of "
-          f"{args.tokens} tokens; medians")
+          f"{args.tokens} tokens, each asked of every row in turn; medians")
     for link, mbit in (("fast link (bridge, unshaped)", None),
                        (f"slow link ({args.slow_mbit:g} Mbit/s tbf)", args.slow_mbit)):
         note(f"== {link}")
         before = load_average()
-        rows = [_measure(row, dirs, model_dir, manifest, mbit, prompts, args) for row in ROWS]
-        predicted = {figure: _planned(flags, dirs, model_dir, mbit) for figure, flags in
-                     PLANNED.items()}
+        rows = _measure(root, cache, model_dir, manifest, mbit, prompts, args)
+        planner_dirs = linked_state_dirs(root / f"{model_dir.name}-planner", cache, 2)
+        predicted = {figure: _planned(flags, planner_dirs, model_dir, mbit)
+                     for figure, flags in PLANNED.items()}
         _table(link, rows, predicted, before)
 
 
@@ -128,37 +142,85 @@ def _devices(dirs: list[Path], extra: dict[int, list[str]],
                for i, state_dir in enumerate(dirs)]
 
 
-def _measure(row: Row, dirs: list[Path], model_dir: Path, manifest: Manifest,
-             mbit: float | None, prompts: list[list[int]], args: argparse.Namespace) -> Measured:
+@dataclass
+class _Serving:
+    """A row's cluster while it serves: its head and deployed shape, or why it failed."""
+
+    row: Row
+    head: netns.Peer | None = None
+    shape: str = "none"
+    failed: str | None = None
+    first_token_s: list[float] = field(default_factory=list)
+    decode_tps: list[float] = field(default_factory=list)
+
+    def ask(self, prompt: list[int], tokens: int) -> dict | None:
+        """The answer's stats, or None once the row has failed (it is asked no more)."""
+        if self.head is None or self.failed:
+            return None
+        try:
+            return stream_answer(self.head.state_dir, _request(prompt, tokens))["stats"]
+        except PeerdError as exc:
+            note(f"  {self.row.label} could not answer: {exc}")
+            self.failed = str(exc)
+            return None
+
+    def measured(self) -> Measured:
+        if self.failed or not self.first_token_s:
+            return Measured(self.row.label, self.shape, math.inf, 0.0,
+                            failed=self.failed or "not served")
+        return Measured(self.row.label, self.shape, statistics.median(self.first_token_s),
+                        statistics.median(self.decode_tps))
+
+
+def _measure(root: Path, cache: Path, model_dir: Path, manifest: Manifest, mbit: float | None,
+             prompts: list[list[int]], args: argparse.Namespace) -> list[Measured]:
+    """Every row's figures, its clusters serving side by side, each prompt asked of every
+    row in turn."""
+    with contextlib.ExitStack() as clusters:
+        rows = [_serve(clusters, root, cache, row, model_dir, manifest, mbit) for row in ROWS]
+        for row in rows:
+            for warm_up in _prompts(args, seed=1, count=WARM_UP_PROMPTS):
+                row.ask(warm_up, 4)
+        for prompt in prompts:
+            for row in rows:
+                stats = row.ask(prompt, 1)
+                if stats is not None:
+                    row.first_token_s.append(stats["time_to_first_token_s"])
+            note("  first token: " + ", ".join(
+                f"{row.row.label} {row.first_token_s[-1] * 1e3:.0f} ms"
+                for row in rows if row.first_token_s))
+        for prompt in prompts:
+            for row in rows:
+                stats = row.ask(prompt[:32], args.tokens)
+                if stats is not None:
+                    row.decode_tps.append(stats["tokens_per_second"])
+    measured = [row.measured() for row in rows]
+    for figures in measured:
+        note(f"row {figures.label}: first token {figures.first_token_s * 1e3:.0f} ms, decode "
+             f"{figures.decode_tps:.1f} tokens/s")
+    return measured
+
+
+def _serve(clusters: contextlib.ExitStack, root: Path, cache: Path, row: Row, model_dir: Path,
+           manifest: Manifest, mbit: float | None) -> _Serving:
+    """The row's cluster, started in `clusters` and waited for until it serves."""
     note(f"row {row.label}: starting {row.peers} daemon(s)")
     started = time.monotonic()
+    dirs = linked_state_dirs(root / f"{model_dir.name}-{row.label.replace(' ', '-')}", cache,
+                             row.peers)
     budget = [] if row.budget_share is None else [
         "--memory-budget", budget_share(manifest, row.budget_share)]
     extra = {i: [*budget, *row.flags] for i in range(row.peers)}
     extra[0] += ["--model", str(model_dir)]
-    with _devices(dirs[: row.peers], extra, mbit) as peers:
+    peers = clusters.enter_context(_devices(dirs, extra, mbit))
+    try:
         head, plan = serving(peers)
-        shape = _shape(plan)
-        note(f"  serving after {time.monotonic() - started:.0f}s: {shape}")
-        try:
-            measured = _answers(row.label, shape, head, prompts, args)
-        except PeerdError as exc:
-            note(f"  could not answer: {exc}")
-            return Measured(row.label, shape, math.inf, 0.0, failed=str(exc))
-    note(f"  first token {measured.first_token_s * 1e3:.0f} ms, decode "
-         f"{measured.decode_tps:.1f} tokens/s")
-    return measured
-
-
-def _answers(label: str, shape: str, head: netns.Peer, prompts: list[list[int]],
-             args: argparse.Namespace) -> Measured:
-    for warm_up in _prompts(args, seed=1, count=WARM_UP_PROMPTS):
-        stream_answer(head.state_dir, _request(warm_up, 4))
-    first = [stream_answer(head.state_dir, _request(p, 1))["stats"]["time_to_first_token_s"]
-             for p in prompts]
-    decode = [stream_answer(head.state_dir, _request(p[:32], args.tokens))["stats"]
-              ["tokens_per_second"] for p in prompts]
-    return Measured(label, shape, statistics.median(first), statistics.median(decode))
+    except AssertionError as exc:  # netns.wait_for's deadline
+        note(f"  not serving: {exc}")
+        return _Serving(row, failed=str(exc))
+    shape = _shape(plan)
+    note(f"  serving after {time.monotonic() - started:.0f}s: {shape}")
+    return _Serving(row, head, shape)
 
 
 def _planned(flags: tuple[str, ...], dirs: list[Path], model_dir: Path,

@@ -46,6 +46,13 @@ def run_bench(name: str, directory: str | None, bench: Callable[[Path], None]) -
 def shard_once(root: Path, model_dir: Path, peers: int) -> tuple[Manifest, list[Path]]:
     """Shard the model once into a cache (reused by later runs), and `peers` fresh state
     dirs whose shard caches link to it, so no units cross the links."""
+    manifest, cache = shard_cache(root, model_dir)
+    return manifest, linked_state_dirs(root / f"{model_dir.name}-peers{peers}", cache, peers)
+
+
+def shard_cache(root: Path, model_dir: Path) -> tuple[Manifest, Path]:
+    """The model's units in a state directory under `root` (sharded by the first run, reused
+    by later ones), and that state directory."""
     cache = root / f"{model_dir.name}-state"
     note(f"sharding {model_dir.name} (reused when an earlier run left its units)")
     started = time.monotonic()
@@ -56,12 +63,17 @@ def shard_once(root: Path, model_dir: Path, peers: int) -> tuple[Manifest, list[
     result = json.loads(done.stdout)
     note(f"  {len(result['units'])} units, {'made' if result['stats']['exported'] else 'reused'}"
          f" in {time.monotonic() - started:.0f}s")
-    peers_root = root / f"{model_dir.name}-peers{peers}"
+    return Manifest.load(Path(result["directory"])), cache
+
+
+def linked_state_dirs(peers_root: Path, cache: Path, peers: int) -> list[Path]:
+    """`peers` fresh state dirs of one new cluster under `peers_root`, their shard caches
+    linked to `cache`'s."""
     shutil.rmtree(peers_root, ignore_errors=True)
     dirs = netns.make_state_dirs(peers_root, peers)
     for state_dir in dirs:
         (state_dir / SHARDS_SUBDIR).symlink_to(cache / SHARDS_SUBDIR, target_is_directory=True)
-    return Manifest.load(Path(result["directory"])), dirs
+    return dirs
 
 
 def serving(peers: list[netns.Peer]) -> tuple[netns.Peer, dict]:
