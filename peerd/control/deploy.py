@@ -145,11 +145,10 @@ class Deployment:
                      plan.plan_id, plan.epoch, current.plan_id, current.epoch)
             return False
         if current is not None and _order(plan) == _order(current):
-            if self._task is None or self._task.done():
-                if self.progress.state == DeployState.FAILED:
-                    self._start(plan)  # the leader asks again: retry
-                else:
-                    self._send_report()
+            if self.progress.state == DeployState.FAILED:
+                self._start(plan)  # the leader asks again: retry
+            else:  # where it stands, even while the ready stage still loads its copies
+                self._send_report()
             return False
         self._start(plan)
         return True

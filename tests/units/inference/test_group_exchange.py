@@ -1,7 +1,8 @@
 """The daemon side of a group stage without daemons: a lead and a member on real CURVE
 transports over loopback, each running its share's schedule on its own thread, their
 ShareData going peer to peer. They give exactly what the same shares give in one process,
-and a member that goes away fails the lead's step as a lost peer (a TransportError)."""
+a member that goes away fails the lead's step as a lost peer (a TransportError), and a
+share whose data cannot be sent fails its step at its next wait."""
 
 from __future__ import annotations
 
@@ -123,3 +124,20 @@ async def test_a_member_gone_fails_the_step_as_a_lost_peer(llama):
         assert isinstance(outcome, GroupLost)
         assert "sent no gather" in str(outcome)
 
+
+
+async def test_a_share_whose_data_cannot_be_sent_fails_its_step_without_waiting_it_out(
+    llama, caplog
+):
+    lead, member = _Peer("a"), _Peer("b")
+    async with _linked(lead, member):
+        group = lead.group = GroupLead(_runner(llama, 0), ("a", "b"), lead.transport, PLAN,
+                                       timeout_s=1.0)
+        member.group = GroupMember(_runner(llama, 1), ("a", "b"), member.transport, PLAN,
+                                   timeout_s=600.0)
+        member.transport.disconnect("a")  # the lead's steps still come; its data cannot go
+        step = Generation("s", PROMPT, 1, frozenset()).next_step()
+        (outcome,) = await asyncio.to_thread(group.step_many, [(step.seq_id, step.inputs)])
+        assert isinstance(outcome, GroupLost)
+        await eventually(lambda: "share's data was not sent: a is not reachable" in caplog.text,
+                         "the member's step to fail well before its 600 s wait", timeout=60.0)
