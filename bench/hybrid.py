@@ -182,13 +182,13 @@ def _measure(root: Path, cache: Path, model_dir: Path, manifest: Manifest, mbit:
             for warm_up in _prompts(args, seed=1, count=WARM_UP_PROMPTS):
                 row.ask(warm_up, 4)
         for prompt in prompts:
+            answered = []
             for row in rows:
                 stats = row.ask(prompt, 1)
                 if stats is not None:
                     row.first_token_s.append(stats["time_to_first_token_s"])
-            note("  first token: " + ", ".join(
-                f"{row.row.label} {row.first_token_s[-1] * 1e3:.0f} ms"
-                for row in rows if row.first_token_s))
+                    answered.append(f"{row.row.label} {row.first_token_s[-1] * 1e3:.0f} ms")
+            note("  first token: " + ", ".join(answered))
         for prompt in prompts:
             for row in rows:
                 stats = row.ask(prompt[:32], args.tokens)

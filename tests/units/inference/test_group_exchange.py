@@ -125,7 +125,6 @@ async def test_a_member_gone_fails_the_step_as_a_lost_peer(llama):
         assert "sent no gather" in str(outcome)
 
 
-
 async def test_a_share_whose_data_cannot_be_sent_fails_its_step_without_waiting_it_out(
     llama, caplog
 ):
