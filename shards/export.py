@@ -163,7 +163,8 @@ class _Exporter:
         with torch.no_grad():
             outputs = module(*args)
         (scratch / relative).parent.mkdir()
-        written = known.template.apply(unit, module, scratch, relative)
+        written = known.template.apply((unit.input_names, unit.output_names), module,
+                                             scratch, relative)
         runs = {case: (inputs[case], known.outputs[case]) for case in known.outputs}
         runs[examples.EXPORT] = (args, outputs)
         result = self._manifest_unit(unit, written, runs, known.flops)
@@ -189,7 +190,8 @@ class _Exporter:
         staged = to_onnx(module, unit.input_names, unit.output_names, runs, scratch)
         if self.reuse_graphs:
             others = {case: out for case, (_, out) in runs.items() if case != examples.EXPORT}
-            self.known.setdefault(key, _Known(learn(staged, unit, module), others, flops))
+            template = learn(staged, unit.name, (unit.input_names, unit.output_names), module)
+            self.known.setdefault(key, _Known(template, others, flops))
         del module
         _release(self.model, targets, exported=True)
         self._record(unit, runs)

@@ -26,6 +26,7 @@ the model's units.
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ from shards.share_layout import (
     step_inputs,
 )
 from shards.share_split import LayerShape, Share, ShareError, Span, split_layer
+from shards.template import Template, learn
 
 _AXES_CASES = (examples.EXPORT, examples.MORE_TOKENS, examples.MORE_PAST,
                examples.MORE_SEQUENCES)
@@ -248,6 +250,7 @@ def export_shares(model: CausalLM, weights: Sequence[float], step_names: Sequenc
     shares = split_layer(LayerShape.of(config), weights)
     units: dict[tuple[int, str, int], ShareUnit] = {}
     norms: dict[tuple[int, str], Norm] = {}
+    exporter = _ShareExporter(directory)
     for layer in range(config.num_layers) if layers is None else layers:
         blocks = _layer(model, layer)
         norms[(layer, ATTN)] = _norm(blocks.attn.get_submodule("norm"), config.norm_eps)
@@ -255,32 +258,64 @@ def export_shares(model: CausalLM, weights: Sequence[float], step_names: Sequenc
         for share in shares:
             attn, mlp = share_modules(model, layer, share)
             kv_heads = share.kv_heads.size
-            units[(layer, ATTN, share.index)] = _export(
+            units[(layer, ATTN, share.index)] = exporter.unit(
                 attn, _attention_runs(model, layer, attn, kv_heads),
-                (NORMED, *step_names, *PAST), (PARTIAL, *PRESENT),
-                directory, (layer, ATTN, share.index))
-            units[(layer, MLP, share.index)] = _export(
-                mlp, _mlp_runs(model, layer, mlp), (NORMED,), (PARTIAL,),
-                directory, (layer, MLP, share.index))
+                ((NORMED, *step_names, *PAST), (PARTIAL, *PRESENT)), (layer, ATTN, share.index))
+            units[(layer, MLP, share.index)] = exporter.unit(
+                mlp, _mlp_runs(model, layer, mlp), ((NORMED,), (PARTIAL,)),
+                (layer, MLP, share.index))
     return ShareUnits(shares, tuple(float(w) for w in weights), units, norms,
                       config.residual_post_norm)
 
 
-def _export(module: nn.Module, runs: dict, inputs: tuple[str, ...], outputs: tuple[str, ...],
-            directory: Path, key: tuple[int, str, int]) -> ShareUnit:
-    layer, half, share = key
-    relative = f"layer{layer:03d}-{half}-share{share}.onnx"
-    with tempfile.TemporaryDirectory(dir=directory) as scratch:
-        staged = to_onnx(module, list(inputs), list(outputs), runs, Path(scratch))
-        written = write_unit(staged, directory, relative)
-    path = directory / relative
+class _ShareExporter:
+    """Writes share units into `directory`. The first unit of each shape (the same half,
+    module, parameter and example shapes: a later layer, or a share as wide as an earlier
+    one) is exported with torch.onnx, seconds each; the others get its graph with their own
+    weights (shards.template), kept only where ONNX Runtime then computes what torch does."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.graphs: dict[tuple, Template] = {}
+
+    def unit(self, module: nn.Module, runs: dict, names: tuple[tuple[str, ...], tuple[str, ...]],
+             key: tuple[int, str, int]) -> ShareUnit:
+        layer, half, share = key
+        inputs, outputs = names
+        relative = f"layer{layer:03d}-{half}-share{share}.onnx"
+        shape = _shape(half, module, runs)
+        args, expected = runs[examples.EXPORT]
+        with tempfile.TemporaryDirectory(dir=self.directory) as scratch:
+            known = self.graphs.get(shape)
+            written = None if known is None else known.apply(names, module, Path(scratch),
+                                                             relative)
+            if written is None or _disagreement(Path(scratch) / relative, names, args, expected):
+                staged = to_onnx(module, list(inputs), list(outputs), runs, Path(scratch))
+                self.graphs.setdefault(shape, learn(staged, relative, names, module))
+                written = write_unit(staged, Path(scratch), relative)
+                problem = _disagreement(Path(scratch) / relative, names, args, expected)
+                if problem is not None:
+                    raise ShareError(f"share {share} of layer {layer}'s {half}: {problem}")
+            for file in written.files:
+                os.replace(Path(scratch) / file.name, self.directory / file.name)
+        return ShareUnit(layer, half, share, self.directory / relative, inputs, outputs,
+                         written.files)
+
+
+def _shape(half: str, module: nn.Module, runs: dict) -> tuple:
+    """What two share units have in common when one's graph can serve the other."""
+    params = tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters())
+    shapes = tuple((case, tuple(tuple(a.shape) for a in args))
+                   for case, (args, _) in sorted(runs.items()))
+    return half, type(module).__name__, params, shapes
+
+
+def _disagreement(path: Path, names: tuple[tuple[str, ...], tuple[str, ...]], args: tuple,
+                  expected: tuple) -> str | None:
     session = ort.InferenceSession(str(path), session_options(),
                                    providers=["CPUExecutionProvider"])
-    args, expected = runs[examples.EXPORT]
-    problem = disagreement(session, inputs, outputs, args, expected, exact=True)
-    if problem is not None:
-        raise ShareError(f"share {share} of layer {layer}'s {half}: {problem}")
-    return ShareUnit(layer, half, share, path, inputs, outputs, written.files)
+    inputs, outputs = names
+    return disagreement(session, inputs, outputs, args, expected, exact=True)
 
 
 def _attention_runs(model: CausalLM, layer: int, module: nn.Module, kv_heads: int) -> dict:

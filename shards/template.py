@@ -2,19 +2,21 @@
 
 Exporting a unit with torch.onnx costs seconds (tracing, decompositions, optimisation), and
 the layers of a model are one graph with other weights. The first unit of each structure is
-exported; its graph is remembered with, for each initializer, the unit parameter it holds
-(as is, or transposed: the exporter folds `x @ W.T` into a constant) or its value when it is
+exported; its graph is remembered with, for each initializer, the unit parameter or buffer
+it holds (as is, transposed or reshaped, as the exporter folded it) or its value when it is
 a constant of the graph. A later unit of the same structure (`signature`: the same fx graph,
 parameter shapes and example shapes, known before the unit runs) gets that graph with its
 own parameters in place and its own input and output names, written straight into its unit
 files (shards.onnx_file). The exporter runs the result in ONNX Runtime against torch on the
 export example and exports for real when they differ, so a layer that only looks like the
-others (another constant, another branch) is never wrong.
+others (another constant, another branch) is never wrong. Tensor-parallel share units
+(shards.share_units) are reused the same way, across layers and across shares as wide.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +36,12 @@ _TRANSPOSE_ROWS = 16
 
 @dataclass(frozen=True)
 class Source:
-    """An initializer that holds parameter `index` of its unit (transposed or not)."""
+    """An initializer that holds tensor `index` of its unit: as is, transposed (the exporter
+    folds `x @ W.T` into a constant) or reshaped (it folds an unsqueezed buffer)."""
 
     index: int
     transposed: bool
+    shape: tuple[int, ...]
     dtype: np.dtype
 
 
@@ -52,16 +56,16 @@ class Template:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
 
-    def apply(self, unit: UnitGraph, module: torch.nn.Module, directory: Path,
-              relative: str) -> WrittenUnit:
-        """Write the graph with `module`'s parameters and `unit`'s names as
+    def apply(self, names: tuple[Sequence[str], Sequence[str]], module: torch.nn.Module,
+              directory: Path, relative: str) -> WrittenUnit:
+        """Write the graph with `module`'s parameters and the input and output `names` as
         `directory/relative` and its data file (shards.onnx_file's layout)."""
-        params = _parameters(module)
+        params = [value for _, value in _tensors(module)]
         model = onnx.ModelProto()
         model.CopyFrom(self.skeleton)
         data = DataFile(directory, relative)
         for name in self.initializers:
-            value = np.ascontiguousarray(self._value(name, params))
+            value = np.asarray(self._value(name, params), order="C")  # scalars stay scalars
             tensor = model.graph.initializer.add()  # the model's own, for `data` to point
             if name in self.external:
                 tensor.name, tensor.data_type = name, helper.np_dtype_to_tensor_dtype(value.dtype)
@@ -69,9 +73,9 @@ class Template:
                 data.add(tensor, [value.data.cast("B")])
             else:
                 tensor.CopyFrom(numpy_helper.from_array(value, name))
-        names = dict(zip(self.inputs + self.outputs,
-                         (*unit.input_names, *unit.output_names), strict=True))
-        _rename(model.graph, names)
+        inputs, outputs = names
+        _rename(model.graph, dict(zip(self.inputs + self.outputs, (*inputs, *outputs),
+                                      strict=True)))
         return data.finish(model)
 
     def _value(self, name: str, params: list[np.ndarray]) -> np.ndarray:
@@ -79,7 +83,7 @@ class Template:
         if source is None:
             return self.constants[name]
         value = params[source.index].astype(source.dtype, copy=False)
-        return _transposed(value) if source.transposed else value
+        return _transposed(value) if source.transposed else value.reshape(source.shape)
 
 
 def signature(unit: UnitGraph, module: torch.nn.Module,
@@ -108,13 +112,16 @@ def _structure(graph: fx.Graph) -> tuple[str, ...]:
     return tuple(ops)
 
 
-def learn(staged: Path, unit: UnitGraph, module: torch.nn.Module) -> Template:
-    """The template of the unit just exported to `staged` from `module`."""
+def learn(staged: Path, name: str, names: tuple[Sequence[str], Sequence[str]],
+          module: torch.nn.Module) -> Template:
+    """The template of the unit `name` just exported to `staged` from `module`, with its
+    input and output `names`."""
     model = onnx.load(str(staged), load_external_data=False)
     external = frozenset(t.name for t in model.graph.initializer
                          if t.data_location == onnx.TensorProto.EXTERNAL)
-    params = _parameters(module)
-    by_name = {name: i for i, (name, _) in enumerate(module.named_parameters())}
+    tensors = _tensors(module)
+    params = [value for _, value in tensors]
+    by_name = {tensor_name: i for i, (tensor_name, _) in enumerate(tensors)}
     sources: dict[str, Source] = {}
     constants: dict[str, np.ndarray] = {}
     for tensor in model.graph.initializer:
@@ -126,8 +133,9 @@ def learn(staged: Path, unit: UnitGraph, module: torch.nn.Module) -> Template:
             sources[tensor.name] = source
     initializers = tuple(t.name for t in model.graph.initializer)
     del model.graph.initializer[:]
-    return Template(unit.name, model, initializers, external, sources, constants,
-                    tuple(unit.input_names), tuple(unit.output_names))
+    inputs, outputs = names
+    return Template(name, model, initializers, external, sources, constants,
+                    tuple(inputs), tuple(outputs))
 
 
 def _array(tensor: onnx.TensorProto, directory: Path) -> np.ndarray:
@@ -141,19 +149,22 @@ def _array(tensor: onnx.TensorProto, directory: Path) -> np.ndarray:
                      offset=int(entries.get("offset", 0)), shape=tuple(tensor.dims))
 
 
-def _parameters(module: torch.nn.Module) -> list[np.ndarray]:
-    return [p.detach().numpy() for _, p in module.named_parameters()]
+def _tensors(module: torch.nn.Module) -> list[tuple[str, np.ndarray]]:
+    """The module's parameters, then its buffers (such as ALiBi's per-head slopes)."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    return [(name, tensor.detach().numpy()) for name, tensor in named]
 
 
 def _source(value: np.ndarray, params: list[np.ndarray], named: int | None) -> Source | None:
-    """Which parameter `value` holds: the one it is named after first, then any by value."""
+    """Which tensor `value` holds: the one it is named after first, then any by value."""
     order = ([named] if named is not None else []) + list(range(len(params)))
     for i in order:
         param = params[i]
-        if param.shape == value.shape and np.array_equal(param, value):
-            return Source(i, False, value.dtype)
+        fits = param.shape == value.shape or param.size == value.size > 1
+        if fits and np.array_equal(param.reshape(value.shape), value):
+            return Source(i, False, value.shape, value.dtype)
         if param.ndim == 2 and param.T.shape == value.shape and np.array_equal(param.T, value):
-            return Source(i, True, value.dtype)
+            return Source(i, True, value.shape, value.dtype)
     return None
 
 

@@ -120,3 +120,17 @@ def share_units(model_dir: Path, weights: tuple[float, ...]):
 
     directory = Path(tempfile.mkdtemp(prefix="shares-", dir=state_dir()))
     return shares_for(model_dir, sharded(model_dir).manifest, weights, directory)
+
+
+def off_by_one(apply):
+    """`shards.template.Template.apply` (given as `apply`), with every weight it writes off
+    by one: a reused graph that computes otherwise than its torch module."""
+
+    def corrupted(self, names, module, directory, relative):
+        written = apply(self, names, module, directory, relative)
+        weights = np.memmap(directory / written.files[1].name, dtype=np.float32, mode="r+")
+        weights += 1
+        weights.flush()
+        return written
+
+    return corrupted

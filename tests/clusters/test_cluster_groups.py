@@ -16,7 +16,7 @@ import subprocess
 
 import netns
 import pytest
-from sharding import reference
+from sharding import reference, seed_shard_cache
 from streaming import head_of
 
 pytestmark = [pytest.mark.cluster, netns.needs_namespaces]
@@ -37,6 +37,7 @@ def cluster(request, hf_checkpoint, tmp_path_factory):
     family, overrides, size = CASES[request.param]
     model_dir = hf_checkpoint(family, **overrides)
     dirs = netns.make_state_dirs(tmp_path_factory.mktemp(f"groups-{request.param}"), 3)
+    seed_shard_cache(dirs[0], model_dir)
     args = {i: ["--tensor-parallel", str(size)] for i in range(3)}
     args[0] += ["--model", str(model_dir)]
     with netns.cluster(dirs, args) as (_, peers), netns.logs_on_failure(peers):

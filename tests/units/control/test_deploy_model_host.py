@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from daemon_objects import unstarted_daemon
 from disks import fill, tmpfs
-from sharding import sharded
+from sharding import seed_shard_cache, sharded
 from waiting import eventually
 
 from peerd.commands.cli import build_parser
@@ -74,6 +74,7 @@ async def test_share_units_on_a_full_disk_fail_naming_it_then_export_once_there_
 ):
     model_dir = hf_checkpoint("llama", heads=4, kv_heads=2)
     with tmpfs(tmp_path / "state", "64m") as state_dir:
+        seed_shard_cache(state_dir, model_dir)
         host = ModelHost(model_dir, state_dir)
         await host.run()
         assert host.state == "ready", host.detail

@@ -7,13 +7,14 @@ import json
 import os
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from sharding import reference, sharded
+from sharding import off_by_one, reference, sharded
 
 from peerd.commands.generate import build_pipeline, generate
 from planner.io import workload_from_dict
@@ -273,10 +274,18 @@ def test_units_built_from_an_earlier_graph_are_what_exporting_them_writes(hf_che
     exported, reused = results[False].units, results[True].units
     for every, built in zip(exported, reused, strict=True):
         assert replace(built, files=built.files[1:]) == replace(every, files=every.files[1:])
+        assert _initializer_shapes(tmp_path / "True" / built.files[0].name) == (
+            _initializer_shapes(tmp_path / "False" / every.files[0].name))
     runs = [generate(build_pipeline(results[reuse], tmp_path / str(reuse), 2),
                      results[reuse], [3, 1, 4], 12, SamplingParams(), stop_at_eos=False)
             for reuse in (False, True)]
     assert runs[0].token_ids == runs[1].token_ids
+
+
+def _initializer_shapes(model_file: Path) -> list[list[int]]:
+    """The shapes of a model file's initializers, in order (a scalar is [], not [1])."""
+    model = onnx.load(str(model_file), load_external_data=False)
+    return [list(tensor.dims) for tensor in model.graph.initializer]
 
 
 @pytest.mark.slow
@@ -284,16 +293,7 @@ def test_a_reused_graph_that_computes_otherwise_is_exported_instead(hf_checkpoin
                                                                      monkeypatch):
     """A layer that only looks like the first (here: a reused weight off by one) is caught
     by running it against torch, and exported for real."""
-    real_apply = Template.apply
-
-    def off_by_one(self, unit, module, directory, relative):
-        written = real_apply(self, unit, module, directory, relative)
-        weights = np.memmap(directory / written.files[1].name, dtype=np.float32, mode="r+")
-        weights += 1
-        weights.flush()
-        return written
-
-    monkeypatch.setattr(Template, "apply", off_by_one)
+    monkeypatch.setattr(Template, "apply", off_by_one(Template.apply))
     model_dir = hf_checkpoint("llama", layers=2)
     lines: list[str] = []
     result = shard(model_dir, tmp_path / "units", progress=lines.append)
