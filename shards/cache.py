@@ -177,7 +177,11 @@ def install(staging: Path, out_dir: Path, key: str) -> None:
     elif out_dir.exists():
         out_dir.rmdir()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging.rename(out_dir)
+    try:
+        staging.rename(out_dir)
+    except OSError:  # another process may have installed the same result since the check
+        if reusable(out_dir, key) is None:
+            raise
 
 
 def _sync(path: Path) -> None:

@@ -12,7 +12,8 @@ The suite runs on two pytest-xdist workers (`pytest -n 2 --dist loadgroup`, as t
 says). The tests that start daemons or browse mDNS run one after another on one worker
 (group DAEMONS): two clusters at once would see each other's peers and count them as
 strangers. The other tests share out over both workers, so the daemon tests run beside a
-busy core, as they must pass on a loaded machine anyway.
+busy core, as they must pass on a loaded machine anyway. Both workers share one state
+directory for the models they export (tests/run_state.py).
 """
 
 from __future__ import annotations
@@ -22,10 +23,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import run_state
 from checkpoints import make_checkpoint
 from toy_units import ToyModel, write_toy
 
 DAEMONS = "daemons"  # the xdist group of the tests that start daemons or browse mDNS
+_RUN_STATE = pytest.StashKey[Path | None]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_RUN_STATE] = run_state.begin()  # before xdist starts the workers
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    run_state.end(config.stash.get(_RUN_STATE, None))
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups

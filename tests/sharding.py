@@ -1,29 +1,39 @@
 """Sharded test models, exported once per test session and shared by every test module.
 
-Exporting takes seconds per model, so results live in one session-wide state directory
+Exporting takes seconds per model, so results live in one state directory for the test run
 (`state_dir()`, laid out as `peerd` lays out its own: `<state>/shards/<key>`), which lets
-subprocess runs of the real CLI reuse them through PEERD_STATE_DIR. Treat them as read-only.
+subprocess runs of the real CLI reuse them through PEERD_STATE_DIR. Under pytest it is the
+run's (tests/run_state.py), shared by both xdist workers: a worker that needs a model the
+other is exporting waits for it. Treat them as read-only.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
 import shutil
 import tempfile
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
 import numpy as np
+import run_state
 import torch
 import transformers
 
-from shards.cache import ShardOptions, ShardResult, shard
+from shards.cache import ShardOptions, ShardResult, shard, shard_key
 from shards.cli import SHARDS_SUBDIR
 from shards.manifest import Manifest, Quant
+from shards.source import open_model
 
 
 @cache
 def state_dir() -> Path:
+    shared = run_state.shared()
+    if shared is not None:
+        return shared
     path = Path(tempfile.mkdtemp(prefix="peerd-test-state-"))
     atexit.register(shutil.rmtree, path, True)
     return path
@@ -31,8 +41,20 @@ def state_dir() -> Path:
 
 @cache
 def sharded(model_dir: Path, quant: Quant = Quant.NONE, granularity: str = "half") -> ShardResult:
-    root = state_dir() / SHARDS_SUBDIR
-    return shard(model_dir, None, shard_root=root, options=ShardOptions(quant, granularity))
+    options = ShardOptions(quant, granularity)
+    with _alone(shard_key(open_model(model_dir).digest(), options)):
+        return shard(model_dir, None, shard_root=state_dir() / SHARDS_SUBDIR, options=options)
+
+
+@contextlib.contextmanager
+def _alone(key: str) -> Iterator[None]:
+    """Held while this process shards the result `key`: another worker that needs it waits,
+    then finds it done."""
+    locks = state_dir() / "test-locks"
+    locks.mkdir(exist_ok=True)
+    with (locks / key).open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def seed_shard_cache(state_dir: Path, model: Path) -> Manifest:

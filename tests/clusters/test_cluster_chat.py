@@ -17,7 +17,7 @@ import time
 
 import netns
 import pytest
-from sharding import reference
+from sharding import reference, state_dir
 from streaming import split_cluster
 
 from shards.manifest import Manifest
@@ -55,7 +55,7 @@ def _expected(model_dir, prompt: list[int]) -> list[int]:
     return reference(model_dir, tuple(prompt), NEW_TOKENS, stop_at_eos=True)[0]
 
 
-def test_a_chat_asked_on_any_peer_equals_transformers_and_peerd_generate(cluster, tmp_path):
+def test_a_chat_asked_on_any_peer_equals_transformers_and_peerd_generate(cluster):
     model_dir, peers = cluster
     prompt = PROMPTS[0]
     expected = _expected(model_dir, prompt)
@@ -63,7 +63,7 @@ def test_a_chat_asked_on_any_peer_equals_transformers_and_peerd_generate(cluster
         [*netns.PEERD, "generate", str(model_dir), "--prompt-ids", ",".join(map(str, prompt)),
          "--max-tokens", str(NEW_TOKENS), "--parts", "3", "--json"],
         capture_output=True, text=True, timeout=ANSWER_S,
-        env={**os.environ, "PEERD_STATE_DIR": str(tmp_path)},
+        env={**os.environ, "PEERD_STATE_DIR": str(state_dir())},  # the units the peers got
     )
     assert local.returncode == 0, local.stderr
     assert json.loads(local.stdout)["token_ids"] == expected

@@ -16,6 +16,7 @@ import subprocess
 import netns
 import pytest
 from gguf_files import write_gguf
+from sharding import state_dir
 from streaming import split_cluster
 
 pytestmark = [pytest.mark.cluster, netns.needs_namespaces]
@@ -41,12 +42,12 @@ def _run(*args: str, env: dict | None = None) -> dict:
     return json.loads(done.stdout)
 
 
-def test_a_text_chat_on_a_peer_without_the_file_equals_peerd_generate(gguf_cluster, tmp_path):
+def test_a_text_chat_on_a_peer_without_the_file_equals_peerd_generate(gguf_cluster):
     path, peers = gguf_cluster
     status = peers[0].status()
     assert status["model"]["name"] == "home-llama.Q8_0"
     local = _run("generate", str(path), "--prompt", PROMPT, "--parts", "2",
-                 env={**os.environ, "PEERD_STATE_DIR": str(tmp_path)})
+                 env={**os.environ, "PEERD_STATE_DIR": str(state_dir())})  # the peers' units
     assert local["token_ids"] and local["text"]
     answer = _run("chat", "--state-dir", str(peers[2].state_dir), "--prompt", PROMPT)
     assert answer["token_ids"] == local["token_ids"]
