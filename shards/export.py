@@ -163,8 +163,7 @@ class _Exporter:
         with torch.no_grad():
             outputs = module(*args)
         (scratch / relative).parent.mkdir()
-        written = known.template.apply((unit.input_names, unit.output_names), module,
-                                             scratch, relative)
+        written = known.template.apply(unit.names, module, scratch, relative)
         runs = {case: (inputs[case], known.outputs[case]) for case in known.outputs}
         runs[examples.EXPORT] = (args, outputs)
         result = self._manifest_unit(unit, written, runs, known.flops)
@@ -190,7 +189,7 @@ class _Exporter:
         staged = to_onnx(module, unit.input_names, unit.output_names, runs, scratch)
         if self.reuse_graphs:
             others = {case: out for case, (_, out) in runs.items() if case != examples.EXPORT}
-            template = learn(staged, unit.name, (unit.input_names, unit.output_names), module)
+            template = learn(staged, unit.name, unit.names, module)
             self.known.setdefault(key, _Known(template, others, flops))
         del module
         _release(self.model, targets, exported=True)

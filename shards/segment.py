@@ -65,6 +65,10 @@ class UnitGraph:
     def output_names(self) -> list[str]:
         return [*self.outputs, *(present for _, present in self.state)]
 
+    @property
+    def names(self) -> tuple[list[str], list[str]]:
+        return self.input_names, self.output_names
+
 
 @dataclass
 class Segmentation:

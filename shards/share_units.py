@@ -63,7 +63,7 @@ from shards.share_layout import (
     step_inputs,
 )
 from shards.share_split import LayerShape, Share, ShareError, Span, split_layer
-from shards.template import Template, learn
+from shards.template import Names, Template, learn
 
 _AXES_CASES = (examples.EXPORT, examples.MORE_TOKENS, examples.MORE_PAST,
                examples.MORE_SEQUENCES)
@@ -278,28 +278,29 @@ class _ShareExporter:
         self.directory = directory
         self.graphs: dict[tuple, Template] = {}
 
-    def unit(self, module: nn.Module, runs: dict, names: tuple[tuple[str, ...], tuple[str, ...]],
+    def unit(self, module: nn.Module, runs: dict, names: Names,
              key: tuple[int, str, int]) -> ShareUnit:
         layer, half, share = key
         inputs, outputs = names
         relative = f"layer{layer:03d}-{half}-share{share}.onnx"
         shape = _shape(half, module, runs)
         args, expected = runs[examples.EXPORT]
-        with tempfile.TemporaryDirectory(dir=self.directory) as scratch:
+        with tempfile.TemporaryDirectory(dir=self.directory) as scratch_name:
+            scratch = Path(scratch_name)
+            path = scratch / relative
             known = self.graphs.get(shape)
-            written = None if known is None else known.apply(names, module, Path(scratch),
-                                                             relative)
-            if written is None or _disagreement(Path(scratch) / relative, names, args, expected):
-                staged = to_onnx(module, list(inputs), list(outputs), runs, Path(scratch))
+            written = None if known is None else known.apply(names, module, scratch, relative)
+            if written is None or _disagreement(path, names, args, expected):
+                staged = to_onnx(module, list(inputs), list(outputs), runs, scratch)
                 self.graphs.setdefault(shape, learn(staged, relative, names, module))
-                written = write_unit(staged, Path(scratch), relative)
-                problem = _disagreement(Path(scratch) / relative, names, args, expected)
+                written = write_unit(staged, scratch, relative)
+                problem = _disagreement(path, names, args, expected)
                 if problem is not None:
                     raise ShareError(f"share {share} of layer {layer}'s {half}: {problem}")
             for file in written.files:
-                os.replace(Path(scratch) / file.name, self.directory / file.name)
-        return ShareUnit(layer, half, share, self.directory / relative, inputs, outputs,
-                         written.files)
+                os.replace(scratch / file.name, self.directory / file.name)
+        return ShareUnit(layer, half, share, self.directory / relative, tuple(inputs),
+                         tuple(outputs), written.files)
 
 
 def _shape(half: str, module: nn.Module, runs: dict) -> tuple:
@@ -310,8 +311,7 @@ def _shape(half: str, module: nn.Module, runs: dict) -> tuple:
     return half, type(module).__name__, params, shapes
 
 
-def _disagreement(path: Path, names: tuple[tuple[str, ...], tuple[str, ...]], args: tuple,
-                  expected: tuple) -> str | None:
+def _disagreement(path: Path, names: Names, args: tuple, expected: tuple) -> str | None:
     session = ort.InferenceSession(str(path), session_options(),
                                    providers=["CPUExecutionProvider"])
     inputs, outputs = names

@@ -32,6 +32,7 @@ from shards.segment import UnitGraph
 
 _INDEX = re.compile(r"\d+")
 _TRANSPOSE_ROWS = 16
+Names = tuple[Sequence[str], Sequence[str]]  # a graph's input names, then its output names
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class Template:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
 
-    def apply(self, names: tuple[Sequence[str], Sequence[str]], module: torch.nn.Module,
+    def apply(self, names: Names, module: torch.nn.Module,
               directory: Path, relative: str) -> WrittenUnit:
         """Write the graph with `module`'s parameters and the input and output `names` as
         `directory/relative` and its data file (shards.onnx_file's layout)."""
@@ -112,8 +113,7 @@ def _structure(graph: fx.Graph) -> tuple[str, ...]:
     return tuple(ops)
 
 
-def learn(staged: Path, name: str, names: tuple[Sequence[str], Sequence[str]],
-          module: torch.nn.Module) -> Template:
+def learn(staged: Path, name: str, names: Names, module: torch.nn.Module) -> Template:
     """The template of the unit `name` just exported to `staged` from `module`, with its
     input and output `names`."""
     model = onnx.load(str(staged), load_external_data=False)
