@@ -3,6 +3,8 @@ exchange through the wire codec, gives transformers' logits and greedy tokens.""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 from sharding import reference, sharded, share_units
@@ -72,29 +74,54 @@ def test_shares_compute_what_needs_no_message_before_they_wait(hf_checkpoint):
     4-7 on share 1), at layer 0's attention: share 0 has its own rows' K/V when it first
     waits for share 1's rows, and share 1 sends share 0 the partial of share 0's rows before
     it computes its own."""
-    model_dir = hf_checkpoint("llama", heads=4, kv_heads=2)
-    result = sharded(model_dir)
-    last = len(result.manifest.units) - 1
-    stage = ShareStage(result.manifest, result.directory, 0, last,
-                       share_units(model_dir, (1.0, 1.0)))
-    seen: list[tuple[int, Exchange, int]] = []
-    for share in stage.shares:
-        share.schedule = _recorded(share, seen)
-    stage.step("x", {"input_ids": np.array([PROMPT], np.int64),
-                     "position_ids": np.arange(len(PROMPT))[None]})
+    stage, seen = _two_shares_recorded(hf_checkpoint)
     attention = 1  # layer 0's attention unit
-    first_wait = next(held for share, exchange, held in seen
+    first_wait = next(held for share, exchange, held, _ in seen
                       if share == 0 and exchange.tag.unit == attention and exchange.expects)
-    first_send = next(held for share, exchange, held in seen
+    first_send = next(held for share, exchange, held, _ in seen
                       if share == 1 and exchange.tag.unit == attention
                       and exchange.tag.phase == SharePhase.REDUCE and exchange.sends)
     assert (first_wait, first_send) == (4, 4)
     assert stage.length("x") == len(PROMPT)
 
 
+@pytest.mark.slow
+def test_in_the_mlp_a_share_hands_the_earlier_shares_their_partials_first(hf_checkpoint):
+    """Share 1 runs share 0's rows of layer 0's MLP first and sends their partial before it
+    computes its own rows' tile, so share 0, ahead of it, does not wait for it."""
+    _, seen = _two_shares_recorded(hf_checkpoint)
+    mlp = 2  # layer 0's MLP unit
+    tiles_before_send = next(tiles for share, exchange, _, tiles in seen
+                             if share == 1 and exchange.tag.unit == mlp
+                             and exchange.tag.phase == SharePhase.REDUCE and exchange.sends)
+    assert tiles_before_send[mlp] == 1
+
+
+def _two_shares_recorded(hf_checkpoint):
+    """Two equal shares of a small Llama after one step of PROMPT, and every exchange of
+    their schedules as `_recorded` notes it."""
+    model_dir = hf_checkpoint("llama", heads=4, kv_heads=2)
+    result = sharded(model_dir)
+    last = len(result.manifest.units) - 1
+    stage = ShareStage(result.manifest, result.directory, 0, last,
+                       share_units(model_dir, (1.0, 1.0)))
+    seen: list[tuple[int, Exchange, int, Counter[int]]] = []
+    for share in stage.shares:
+        share.schedule = _recorded(share, seen)
+    stage.step("x", {"input_ids": np.array([PROMPT], np.int64),
+                     "position_ids": np.arange(len(PROMPT))[None]})
+    return stage, seen
+
+
 def _recorded(share, seen):
-    """`share.schedule`, noting each exchange with the K/V positions the share then holds."""
-    schedule = share.schedule
+    """`share.schedule`, noting each exchange with the K/V positions the share then holds
+    and the tiles it has computed so far, by unit."""
+    schedule, tile = share.schedule, share._tile
+    tiles: Counter[int] = Counter()
+
+    def counted(unit, *args):
+        tiles[unit.index] += 1
+        return tile(unit, *args)
 
     def recording(seq_id, step, inputs, rows=None):
         inner = schedule(seq_id, step, inputs, rows)
@@ -102,11 +129,12 @@ def _recorded(share, seen):
         try:
             while True:
                 exchange = inner.send(got)
-                seen.append((share.index, exchange, share.length(seq_id)))
+                seen.append((share.index, exchange, share.length(seq_id), Counter(tiles)))
                 got = yield exchange
         except StopIteration as done:
             return done.value
 
+    share._tile = counted
     return recording
 
 
