@@ -19,6 +19,7 @@ members when the lead drops it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -41,6 +42,7 @@ from shards.manifest import Manifest
 
 log = logging.getLogger("peerd.inference.groups")
 
+StepKey = tuple[str, int]  # seq_id, step
 GROUP_TIMEOUT_S = 10.0  # a member's message of a step comes within this, or it is lost
 
 
@@ -55,7 +57,7 @@ class Mailbox:
         self._ready = threading.Condition()
         self._held: dict[ExchangeKey, ShareData] = {}
         self._closed = False
-        self._failure: GroupLost | None = None
+        self._failure: tuple[StepKey, GroupLost] | None = None
 
     def put(self, message: ShareData) -> None:
         key = sent_key(message)
@@ -69,12 +71,13 @@ class Mailbox:
         keys = {s: tag.from_sender(s) for s in senders}
         with self._ready:
             come = self._ready.wait_for(
-                lambda: self._closed or self._failure is not None
+                lambda: self._closed or self._failed(tag)
                 or all(k in self._held for k in keys.values()), timeout_s)
             if self._closed:
                 raise GroupLost("the group stage closed")
-            if self._failure is not None:
-                failure, self._failure = self._failure, None
+            if self._failed(tag):
+                assert self._failure is not None
+                failure, self._failure = self._failure[1], None
                 raise failure
             if not come:
                 missing = [s for s, k in keys.items() if k not in self._held]
@@ -87,11 +90,21 @@ class Mailbox:
             for key in [k for k in self._held if k[0] == seq_id]:
                 del self._held[key]
 
-    def fail(self, failure: GroupLost) -> None:
-        """Fail the wait in progress, or the next one."""
+    def fail(self, step: StepKey, failure: GroupLost) -> None:
+        """Fail the wait of `step` in progress, or its next one. A step that waits for
+        nothing more is done here (its receiver's own wait fails it there), so a later
+        step's wait forgets the failure: the link may have come back since."""
         with self._ready:
-            self._failure = failure
+            self._failure = (step, failure)
             self._ready.notify_all()
+
+    def _failed(self, tag: ShareTag) -> bool:
+        if self._failure is None:
+            return False
+        if self._failure[0] == (tag.seq_id, tag.step):
+            return True
+        self._failure = None
+        return False
 
     def close(self) -> None:
         with self._ready:
@@ -120,19 +133,20 @@ class _Share:
             self.loop.call_soon_threadsafe(self._post, exchange.sends)
         return self.mailbox.take(exchange.tag, exchange.expects, self.timeout_s)
 
-    def _post(self, sends: Sequence[tuple[int, Message]]) -> None:
+    def _post(self, sends: Sequence[tuple[int, ShareData]]) -> None:
         """Send a round's ShareData without holding up the compute thread: waiting for
         each send held it 2.5-2.9 ms (the event loop's turn and the encoding), 48 times in
         a 512-token prefill, while its next tile could run. The mailbox keys messages by
-        tag, so their order does not matter; a send that fails fails the next wait."""
+        tag, so their order does not matter; a send that fails fails its step's next wait."""
         task = self.loop.create_task(self.send(sends))
         self._sending.add(task)
-        task.add_done_callback(self._sent)
+        _, first = sends[0]
+        task.add_done_callback(functools.partial(self._sent, (first.seq_id, first.step)))
 
-    def _sent(self, task: asyncio.Task) -> None:
+    def _sent(self, step: StepKey, task: asyncio.Task) -> None:
         self._sending.discard(task)
         if not task.cancelled() and (error := task.exception()) is not None:
-            self.mailbox.fail(GroupLost(f"a share's data was not sent: {error}"))
+            self.mailbox.fail(step, GroupLost(f"a share's data was not sent: {error}"))
 
     def call(self, coroutine) -> None:
         """Run `coroutine` on the event loop and wait for it (from the compute thread)."""
