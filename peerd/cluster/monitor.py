@@ -61,7 +61,7 @@ class CpuSample:
 
 def sample_cpu() -> CpuSample:
     """A reading of the cores in this process's CPU affinity: how busy they were, and how
-    much of that was peerd (this daemon, its shard child, other daemons pinned there)."""
+    much of that was peerd (this daemon, its children, other daemons pinned there)."""
     cores = _cores()
     per_core = psutil.cpu_times(percpu=True)
     busy = sum(_busy(per_core[i]) for i in cores if i < len(per_core))
@@ -81,14 +81,21 @@ def _busy(times) -> float:
 
 
 def _peerd_cpu_s(cores: set[int]) -> dict[int, float]:
-    """CPU seconds of this process and of every peerd process confined to `cores`."""
+    """CPU seconds of this process (with the children it has reaped), of its live
+    descendants (a shard or share-export child) and of every peerd process confined to
+    `cores`. Without the reaped children's seconds, a child's last seconds before it ended
+    counted as another program's load."""
     me = psutil.Process()
-    seconds = {me.pid: sum(me.cpu_times()[:2])}
+    times = me.cpu_times()
+    seconds = {me.pid: times.user + times.system + times.children_user + times.children_system}
+    ours = {child.pid for child in me.children(recursive=True)}
     for process in psutil.process_iter(["cmdline", "cpu_affinity", "cpu_times"]):
         info = process.info
-        if process.pid == me.pid or not _is_peerd(info["cmdline"] or []):
+        if process.pid == me.pid or not info["cpu_times"]:
             continue
-        if info["cpu_affinity"] and set(info["cpu_affinity"]) <= cores and info["cpu_times"]:
+        pinned_peerd = (_is_peerd(info["cmdline"] or []) and info["cpu_affinity"]
+                        and set(info["cpu_affinity"]) <= cores)
+        if process.pid in ours or pinned_peerd:
             seconds[process.pid] = info["cpu_times"].user + info["cpu_times"].system
     return seconds
 

@@ -2,9 +2,13 @@
 
 import json
 import os
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
+from netns import wait_for
 
 from peerd.cluster.monitor import (
     MAX_LOAD,
@@ -82,6 +86,27 @@ def test_cpu_samples_see_this_process_working():
     assert after.peerd_s[os.getpid()] - before.peerd_s[os.getpid()] >= 0.15
     assert after.busy_s - before.busy_s >= 0.15
     assert 0.0 <= LoadMeter().read() <= 1.0
+
+
+def test_a_child_that_has_ended_counts_as_this_daemon_s_work():
+    """A shard child's seconds are peerd's while it runs and after it has been reaped."""
+    busy = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
+    before = sample_cpu()
+    subprocess.run([sys.executable, "-c", busy], check=True)
+    after = sample_cpu()
+    ours = sum(s - before.peerd_s.get(pid, 0.0) for pid, s in after.peerd_s.items())
+    assert ours >= 0.25
+
+
+def test_a_running_child_counts_as_this_daemon_s_work():
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        wait_for(lambda: psutil.Process(child.pid).cpu_times().user >= 0.2, 60,
+                 "the child to run")
+        assert child.pid in sample_cpu().peerd_s
+    finally:
+        child.kill()
+        child.wait()
 
 
 def _write(path, **content):
