@@ -345,6 +345,7 @@ class Coordinator:
         served = _Served(model, model.manifest)
         try:
             cluster, workload = planner_inputs(report, model.peer, served.manifest)
+            log.info("plan %d priced from %s", plan_id, _readings(cluster))
             if self.shapes is not None:
                 shape = await solve_shape(cluster, workload, served.manifest, self.objective,
                                           self.shapes.group_size)
@@ -469,3 +470,10 @@ def _log_waiting(before: rebalance.State, after: rebalance.State, look: rebalanc
     elif before.better_since is not None and after.better_since is None:
         log.info("rebalance: the better plan is no longer %.0f%% faster (%.0f%%); waiting "
                  "again", 100 * policy.margin, 100 * look.best_gain)
+
+
+def _readings(cluster: pm.Cluster) -> str:
+    """The figures a plan is priced from, peer by peer: the log's answer to why it chose."""
+    return "; ".join(
+        f"{d.id}: {d.flops / 1e9:.1f} GFLOP/s decode, {d.prompt_flops / 1e9:.1f} prompt, "
+        f"load {d.load:.2f}, {len(d.unit_s)} units timed" for d in cluster.devices)
