@@ -57,7 +57,7 @@ class Mailbox:
         self._ready = threading.Condition()
         self._held: dict[ExchangeKey, ShareData] = {}
         self._closed = False
-        self._failure: tuple[StepKey, GroupLost] | None = None
+        self._failures: dict[StepKey, GroupLost] = {}  # of steps whose sends failed
 
     def put(self, message: ShareData) -> None:
         key = sent_key(message)
@@ -71,13 +71,11 @@ class Mailbox:
         keys = {s: tag.from_sender(s) for s in senders}
         with self._ready:
             come = self._ready.wait_for(
-                lambda: self._closed or self._failed(tag)
+                lambda: self._closed or (tag.seq_id, tag.step) in self._failures
                 or all(k in self._held for k in keys.values()), timeout_s)
             if self._closed:
                 raise GroupLost("the group stage closed")
-            if self._failed(tag):
-                assert self._failure is not None
-                failure, self._failure = self._failure[1], None
+            if (failure := self._failures.pop((tag.seq_id, tag.step), None)) is not None:
                 raise failure
             if not come:
                 missing = [s for s, k in keys.items() if k not in self._held]
@@ -89,22 +87,17 @@ class Mailbox:
         with self._ready:
             for key in [k for k in self._held if k[0] == seq_id]:
                 del self._held[key]
+            for step in [s for s in self._failures if s[0] == seq_id]:
+                del self._failures[step]
 
     def fail(self, step: StepKey, failure: GroupLost) -> None:
-        """Fail the wait of `step` in progress, or its next one. A step that waits for
-        nothing more is done here (its receiver's own wait fails it there), so a later
-        step's wait forgets the failure: the link may have come back since."""
+        """Fail the wait of `step` in progress, or its next one, and no other step's: a
+        step that waits for nothing more is done here (its receiver's own wait fails it
+        there), and the link may have come back for the later steps. Held until the step
+        waits again or its sequence is forgotten."""
         with self._ready:
-            self._failure = (step, failure)
+            self._failures[step] = failure
             self._ready.notify_all()
-
-    def _failed(self, tag: ShareTag) -> bool:
-        if self._failure is None:
-            return False
-        if self._failure[0] == (tag.seq_id, tag.step):
-            return True
-        self._failure = None
-        return False
 
     def close(self) -> None:
         with self._ready:
