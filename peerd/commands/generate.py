@@ -66,8 +66,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps({"token_ids": run.token_ids, "text": text, "stats": stats}))
     else:
         print(text if text else " ".join(map(str, run.token_ids)))
-        if shares is not None:
-            print(_shares_line(shares), file=sys.stderr)
+    if shares is not None:
+        print(_shares_line(shares), file=sys.stderr)
     return 0
 
 

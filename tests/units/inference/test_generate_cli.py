@@ -160,9 +160,11 @@ def test_quant_int4_with_the_int8_alias_is_a_usage_error(hf_checkpoint, command)
 def test_tensor_parallel_cli_equals_transformers_and_says_the_shares(hf_checkpoint):
     model_dir = hf_checkpoint("llama")
     sharded(model_dir)
-    ids = ",".join(map(str, PROMPT))
-    out = _generate_json(model_dir, "--prompt-ids", ids, "--tensor-parallel", "2",
-                         "--parts", "2", "--max-tokens", "12")
+    done = _peerd("generate", str(model_dir), "--json", "--prompt-ids",
+                  ",".join(map(str, PROMPT)), "--tensor-parallel", "2", "--parts", "2",
+                  "--max-tokens", "12")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
     tokens, _ = reference(model_dir, PROMPT, 12, stop_at_eos=True)
     assert out["token_ids"] == tokens
     stats = out["stats"]
@@ -170,7 +172,4 @@ def test_tensor_parallel_cli_equals_transformers_and_says_the_shares(hf_checkpoi
     assert [s["kv_heads"] for s in stats["shares"]] == [[0, 1], [1, 2]]
     assert [s["heads"] for s in stats["shares"]] == [[0, 2], [2, 4]]
     assert stats["share_wire_bytes"] > 0
-    text = _peerd("generate", str(model_dir), "--prompt-ids", ids, "--tensor-parallel", "2",
-                  "--max-tokens", "4")
-    assert text.returncode == 0
-    assert "2 tensor-parallel shares per stage: share 0: heads 0-1 (KV heads 0-0)" in text.stderr
+    assert "2 tensor-parallel shares per stage: share 0: heads 0-1 (KV heads 0-0)" in done.stderr

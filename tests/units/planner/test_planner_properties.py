@@ -44,7 +44,7 @@ from planner.paths import path_model
 from planner.reach import least_compute_bottleneck
 from planner.solve import SOLVERS, solve
 
-PROPERTY = settings(max_examples=250, deadline=None,
+PROPERTY = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -242,14 +242,14 @@ def test_milp_equals_exhaustive_search_on_sharded_models(cluster, workload):
 
 
 @pytest.mark.slow
-@settings(PROPERTY, max_examples=150)
+@settings(PROPERTY, max_examples=100)
 @given(measured())
 def test_milp_equals_exhaustive_search_with_measured_unit_times(drawn):
     assert_milp_optimal(*drawn)
 
 
 @pytest.mark.slow
-@settings(PROPERTY, max_examples=150)
+@settings(PROPERTY, max_examples=100)
 @given(measured(sharded_workloads))
 def test_milp_equals_exhaustive_search_on_sharded_models_with_measured_unit_times(drawn):
     assert_milp_optimal(*drawn)
@@ -281,7 +281,7 @@ def test_the_exact_methods_bounds_hold(cluster, workload):
 
 
 @pytest.mark.slow
-@settings(PROPERTY, max_examples=150)
+@settings(PROPERTY, max_examples=100)
 @given(measured(sharded_workloads))
 def test_the_bounds_hold_with_measured_unit_times(drawn):
     cluster, workload = drawn

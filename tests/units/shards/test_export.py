@@ -264,7 +264,7 @@ def test_units_built_from_an_earlier_graph_are_what_exporting_them_writes(hf_che
     """The same weights, costs and message sizes (a reused unit runs in torch on the export
     example alone and takes the rest from the unit whose graph it got), and a model file
     that computes the same; its bytes differ only in the exporter's debug names."""
-    model_dir = hf_checkpoint("llama", layers=3)
+    model_dir = hf_checkpoint("llama", layers=2)
     source = open_model(model_dir)
     results = {}
     for reuse in (False, True):
