@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -14,12 +15,12 @@ from peerd.cluster.monitor import (
     MAX_LOAD,
     BatterySource,
     CpuSample,
+    CpuSampler,
     LoadMeter,
     Monitor,
     on_mains,
     parse_size,
     read_memory,
-    sample_cpu,
 )
 from peerd.errors import PeerdError
 from peerd.wire.protocol import Battery
@@ -78,11 +79,12 @@ def test_load_counts_only_other_processes_cpu_time():
 
 
 def test_cpu_samples_see_this_process_working():
-    before = sample_cpu()
+    sample = CpuSampler()
+    before = sample()
     deadline = time.process_time() + 0.2
     while time.process_time() < deadline:
         pass
-    after = sample_cpu()
+    after = sample()
     assert after.peerd_s[os.getpid()] - before.peerd_s[os.getpid()] >= 0.15
     assert after.busy_s - before.busy_s >= 0.15
     assert 0.0 <= LoadMeter().read() <= 1.0
@@ -90,23 +92,61 @@ def test_cpu_samples_see_this_process_working():
 
 def test_a_child_that_has_ended_counts_as_this_daemon_s_work():
     """A shard child's seconds are peerd's while it runs and after it has been reaped."""
+    sample = CpuSampler()
     busy = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
-    before = sample_cpu()
+    before = sample()
     subprocess.run([sys.executable, "-c", busy], check=True)
-    after = sample_cpu()
+    after = sample()
     ours = sum(s - before.peerd_s.get(pid, 0.0) for pid, s in after.peerd_s.items())
     assert ours >= 0.25
 
 
-def test_a_running_child_counts_as_this_daemon_s_work():
-    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+BUSY = "while True: pass"
+
+
+def test_children_started_after_a_reading_count_as_this_daemon_s_work_and_theirs_too():
+    """The sampler remembers the processes it has seen; one started since, and its own
+    child, are still found."""
+    sample = CpuSampler()
+    sample()
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys\n"
+        f"subprocess.run([sys.executable, '-c', {BUSY!r}])")])
     try:
-        wait_for(lambda: psutil.Process(child.pid).cpu_times().user >= 0.2, 60,
-                 "the child to run")
-        assert child.pid in sample_cpu().peerd_s
+        wait_for(lambda: psutil.Process(parent.pid).children(), 60, "the grandchild to start")
+        grandchild = psutil.Process(parent.pid).children()[0]
+        wait_for(lambda: grandchild.cpu_times().user >= 0.2, 60, "the grandchild to run")
+        assert {parent.pid, grandchild.pid} <= set(sample().peerd_s)
     finally:
-        child.kill()
-        child.wait()
+        for process in psutil.Process(parent.pid).children(recursive=True):
+            process.kill()
+        parent.kill()
+        parent.wait()
+
+
+def _orphan(script: Path) -> psutil.Process:
+    """Run `script` in a process whose parent has ended: not this process's descendant."""
+    started = subprocess.run([sys.executable, "-c", (
+        "import subprocess, sys\n"
+        f"print(subprocess.Popen([sys.executable, {str(script)!r}],"
+        " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)")],
+        check=True, capture_output=True, text=True)
+    return psutil.Process(int(started.stdout))
+
+
+@pytest.mark.parametrize("name, counted", [("peerd", True), ("other-program", False)])
+def test_another_process_counts_as_peerd_s_by_its_command_line(tmp_path, name, counted):
+    script = tmp_path / name
+    script.write_text(BUSY)
+    sample = CpuSampler()
+    sample()
+    process = _orphan(script)
+    try:
+        wait_for(lambda: process.cpu_times().user >= 0.1, 60, "the process to run")
+        assert (process.pid in sample().peerd_s) is counted
+        assert (process.pid in sample().peerd_s) is counted, "and once it is known"
+    finally:
+        process.kill()
 
 
 def _write(path, **content):
