@@ -32,7 +32,7 @@ import onnxruntime as ort
 from bench.llama_checkpoint import add_shape_arguments, reusable_llama, shape_from
 from bench.shards import shard_units
 from bench.workdir import run_in
-from shards.executor import StageExecutor, usable_cores
+from shards.executor import StageExecutor, session_options
 from shards.manifest import Manifest, Quant, Unit
 
 JOINED_NAME = "joined-stage.onnx"
@@ -118,7 +118,10 @@ def _compare(manifest: Manifest, directory: Path, joined: Path, steps: int) -> N
         "one joined session": _joined_run(joined, False, {**inputs, **state}),
         "joined, spinning in its run": _joined_run(joined, True, {**inputs, **state}),
     }
-    logits = {name: way() for name, way in ways.items() for _ in range(WARM_UP_STEPS)}
+    for _ in range(WARM_UP_STEPS - 1):
+        for way in ways.values():
+            way()
+    logits = {name: way() for name, way in ways.items()}
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(steps):
         for name, way in ways.items():
@@ -137,10 +140,7 @@ def _executor_step(executor: StageExecutor, inputs: dict[str, np.ndarray]) -> np
 
 def _joined_run(path: Path, spinning: bool,
                 feeds: dict[str, np.ndarray]) -> Callable[[], np.ndarray]:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = usable_cores()
-    options.inter_op_num_threads = 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", str(int(spinning)))
+    options = session_options(spinning=spinning)  # the executor's threading
     options.add_session_config_entry("session.force_spinning_stop", str(int(spinning)))
     options.log_severity_level = 3
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
