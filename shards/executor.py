@@ -18,14 +18,18 @@ Values that stay inside the stage (the hidden state between units, the K/V state
 steps) are kept as ONNX Runtime's native `OrtValue`s and passed to the next run as they are,
 so they are never copied into numpy.
 
-A unit's session holds its weights and nothing of any sequence, so executors built with one
-`SessionShelf` run one session per unit between them: during a rebalance the new plan's
-stage takes the sessions of the units it keeps from the old plan's stage and loads only the
-units it gains (`held_bytes` counts a shared session once).
+The units run joined, a few sessions per stage rather than one per unit (shards/joined.py):
+one session per block of the model's units, or per part of a block the stage's range cuts.
+A session holds weights and nothing of any sequence, so executors built with one
+`SessionShelf` run each block's session once between them: during a rebalance the new plan's
+stage takes the sessions it shares with the old plan's stage (the blocks both hold whole,
+and any unit the old one ran alone) and loads the rest (`held_bytes` counts a shared session
+once).
 
-Each step can report how long each unit took (`step(..., unit_s=)`), and `warm_up` times a
-one-token step on placeholder inputs right after loading: the measured prices the planner
-puts on this peer's units (docs/planner.md).
+Each step can report how long each unit took (`step(..., unit_s=)`; a joined run's time
+shared among its units by their decode FLOPs), and `warm_up` times a one-token step on
+placeholder inputs right after loading: the measured prices the planner puts on this peer's
+units (docs/planner.md).
 """
 
 from __future__ import annotations
@@ -47,6 +51,15 @@ import onnxruntime as ort
 
 from shards import heap
 from shards.early_exit import EXIT_HIDDEN, ExitPoint
+from shards.joined import (
+    JOIN_BYTES,
+    Join,
+    JoinedUnit,
+    blocks,
+    joined_models,
+    kept_outputs,
+    segments,
+)
 from shards.manifest import Manifest, StateSpec, Unit
 
 # ONNX Runtime's native module (what onnxruntime's Python classes wrap): untyped
@@ -95,6 +108,9 @@ class ExecutorOptions:
     it is for a process that owns the machine's cores (`peerd generate`), not the default.
     The first executor built with it sizes the pool, and every later session of the process
     runs on it (`use_shared_pool`).
+
+    join_bytes: units run joined into one session per block of at most this many bytes of
+    weights (shards/joined.py); 0 runs each unit in a session of its own.
     """
 
     threads: int = 0
@@ -103,6 +119,7 @@ class ExecutorOptions:
     memory_arena: bool = True
     prepacking: bool = True
     shared_pool: bool = False
+    join_bytes: int = JOIN_BYTES
 
 
 class StageExecutor:
@@ -136,11 +153,7 @@ class StageExecutor:
         self._dtypes = {i.name: i.dtype for u in self.units for i in u.inputs}
         options = options or ExecutorOptions()
         shelf = shelf or SessionShelf()
-        self._sessions = [
-            shelf.session(manifest, u, Path(unit_dir) / u.model_file.name, options)
-            for u in self.units
-        ]
-        self._runs = [_NativeRun(session) for session in self._sessions]
+        self._segments = _segments(manifest, Path(unit_dir), first, last, options, shelf, exit)
         self._step_end = _SHRINK_ARENA if options.memory_arena else _RUN_OPTIONS
         self.exit = exit
         self._exit_session = None if exit is None else shelf.session(
@@ -299,36 +312,14 @@ class StageExecutor:
                    unit_s: dict[int, float] | None, rows: int | None = None
                    ) -> dict[str, NativeValue]:
         new_state: dict[str, NativeValue] = {}
-        last = self.units[-1]
-        for unit, run in zip(self.units, self._runs, strict=True):
+        last = self._segments[-1]
+        for segment in self._segments:
             started = time.perf_counter()
-            self._run_unit(unit, run, values, state, new_state,
-                           rows if unit.sampled else None,
-                           self._step_end if unit is last else _RUN_OPTIONS)
+            segment.run(values, state, new_state, rows if segment.sampled else None,
+                        self._step_end if segment is last else _RUN_OPTIONS)
             if unit_s is not None:
-                unit_s[unit.index] = time.perf_counter() - started
+                segment.share_time(time.perf_counter() - started, unit_s)
         return new_state
-
-    def _run_unit(
-        self,
-        unit: Unit,
-        run: _NativeRun,
-        values: dict[str, Value],
-        state: dict[str, Value],
-        new_state: dict[str, NativeValue],
-        rows: int | None = None,
-        run_options: Any = _RUN_OPTIONS,
-    ) -> None:
-        """Run `unit` on `values` (on its inputs' last `rows` positions, if given)."""
-        given = {inp.name: values[inp.name] for inp in unit.inputs}
-        if rows is not None:  # arrays of their own, alive until the run (_native wraps them)
-            given = {name: last_rows(_numpy(value), rows) for name, value in given.items()}
-        feeds = {name: _native(value) for name, value in given.items()}
-        feeds.update((spec.input, _native(state[spec.input])) for spec in unit.state)
-        produced = run(feeds, run_options)
-        for spec in unit.state:
-            new_state[spec.input] = produced.pop(spec.output)
-        values.update(produced)
 
     def warm_up(self, runs: int = WARM_UP_RUNS) -> dict[int, float]:
         """Run a one-token step `runs` times on placeholder inputs (zeros, every free
@@ -350,7 +341,7 @@ class StageExecutor:
 
     def _placeholder_inputs(self) -> dict[str, np.ndarray]:
         wanted: dict[str, ort.NodeArg] = {}
-        for session in self._sessions:
+        for session in self.sessions:
             for arg in session.get_inputs():
                 wanted.setdefault(arg.name, arg)
         return {name: np.zeros([d if isinstance(d, int) else 1 for d in wanted[name].shape],
@@ -381,9 +372,16 @@ class StageExecutor:
             held = [*self._state.values(), *(batch.state for batch in batches)]
             return sum(_nbytes(v) for state in held for v in state.values())
 
+    @property
+    def sessions(self) -> tuple[ort.InferenceSession, ...]:
+        """The ONNX Runtime sessions that run its units, in order."""
+        return tuple(segment.session for segment in self._segments)
+
     def session(self, unit_index: int) -> ort.InferenceSession:
-        """The ONNX Runtime session that runs one of its units."""
-        return self._sessions[self._unit(unit_index).index - self.first]
+        """The ONNX Runtime session that runs one of its units (and the others joined
+        with it)."""
+        self._unit(unit_index)
+        return next(s.session for s in self._segments if s.first <= unit_index <= s.last)
 
     # -- moving state ----------------------------------------------------------------------
     def export_state(self, seq_id: str, unit_index: int) -> dict[str, np.ndarray]:
@@ -462,7 +460,10 @@ class StageExecutor:
         }
 
 
-def _session(path: Path, options: ExecutorOptions) -> ort.InferenceSession:
+def _session(model: Path | bytes, options: ExecutorOptions,
+             data_folder: Path | None = None) -> ort.InferenceSession:
+    """A session of the model file at `model`, or of the serialised model `model` whose
+    weights are in files in `data_folder`."""
     if options.shared_pool:
         use_shared_pool(options.threads or usable_cores())
     so = session_options(options.threads, options.spinning)
@@ -474,7 +475,11 @@ def _session(path: Path, options: ExecutorOptions) -> ort.InferenceSession:
     so.add_session_config_entry("session.disable_prepacking", str(int(not options.prepacking)))
     so.enable_cpu_mem_arena = options.memory_arena
     so.log_severity_level = 3
-    return ort.InferenceSession(str(path), so, providers=list(options.providers))
+    if data_folder is not None:
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                    str(data_folder))
+    source = model if isinstance(model, bytes) else str(model)
+    return ort.InferenceSession(source, so, providers=list(options.providers))
 
 
 _SAME_AS_REQUESTED = 1  # ONNX Runtime's ArenaExtendStrategy::kSameAsRequested
@@ -532,11 +537,13 @@ def usable_cores() -> int:
 
 
 class SessionShelf:
-    """The unit sessions of the executors built with it, one per unit, shared among them.
+    """The sessions of the executors built with it, one per unit or per run of units joined,
+    shared among them.
 
-    A session is shared for the same manifest (a model at one quantisation), unit, model
-    file and options. The shelf holds sessions weakly: a session lives as long as some
-    executor runs it, and a unit no executor runs any more is freed with its last one.
+    A session is shared for the same manifest (a model at one quantisation), units, model
+    files, options and joined outputs. The shelf holds sessions weakly: a session lives as
+    long as some executor runs it, and units no executor runs any more are freed with the
+    last one.
     """
 
     def __init__(self) -> None:
@@ -547,19 +554,120 @@ class SessionShelf:
 
     def session(self, manifest: Manifest, unit: Unit, path: Path,
                 options: ExecutorOptions) -> ort.InferenceSession:
-        """The session an executor holds for `unit`, else a new one of the file at `path`."""
-        key = (manifest.key, unit.index, unit.model_file.sha256, options)
+        """The session an executor holds for `unit` alone, else a new one of the file at
+        `path`."""
+        return self.sessions(manifest, [_Wanted((unit,), (path,), frozenset())], options)[0]
+
+    def sessions(self, manifest: Manifest, wanted: Sequence[_Wanted],
+                 options: ExecutorOptions) -> list[ort.InferenceSession]:
+        """Each wanted session: the one an executor holds, else a new one; units joined
+        (shards/joined.py) are joined in one go."""
         with self._lock:
-            session = self._held.get(key)
-            if session is None:
-                session = _session(path, options)
-                # ONNX Runtime keeps the unit's data file mapped once it has copied the
+            keys = [_shelf_key(manifest, w.units, options, w.keep) for w in wanted]
+            found = [self._held.get(key) for key in keys]
+            missing = [i for i, session in enumerate(found) if session is None]
+            joins = [Join(tuple(JoinedUnit.of(*pair) for pair in zip(w.units, w.paths,
+                                                                     strict=True)), w.keep)
+                     for w in (wanted[i] for i in missing) if len(w.units) > 1]
+            models = iter(joined_models(joins))
+            for i in missing:
+                units, paths = wanted[i].units, wanted[i].paths
+                session = (_session(paths[0], options) if len(units) == 1 else
+                           _session(next(models), options, data_folder=paths[0].parent))
+                # ONNX Runtime keeps a unit's data file mapped once it has copied the
                 # weights into layouts of its own (int4: the scales MatMulNBits also packed;
                 # the embedding's table, of which a token reads a row), and the pages read
                 # while loading stay resident: 35 of the 283 MB the 24-layer int4 model took
-                heap.page_out(path.parent / f.content_name for f in unit.files[1:])
-                self._held[key] = session
-            return session
+                heap.page_out(path.parent / f.content_name
+                              for unit, path in zip(units, paths, strict=True)
+                              for f in unit.files[1:])
+                self._held[keys[i]] = found[i] = session
+            return [session for session in found if session is not None]
+
+    def holds_alone(self, manifest: Manifest, unit: Unit, options: ExecutorOptions) -> bool:
+        """Whether some executor, or a held copy, runs `unit` in a session of its own."""
+        with self._lock:
+            return _shelf_key(manifest, (unit,), options, frozenset()) in self._held
+
+
+def _shelf_key(manifest: Manifest, units: tuple[Unit, ...], options: ExecutorOptions,
+               keep: frozenset[str]) -> tuple:
+    return (manifest.key, tuple(u.index for u in units),
+            tuple(u.model_file.sha256 for u in units), options,
+            keep if len(units) > 1 else frozenset())
+
+
+class _Wanted(NamedTuple):
+    """A session to hold: of `units` (joined, keeping the `keep` outputs, where several) from
+    their model files at `paths`."""
+
+    units: tuple[Unit, ...]
+    paths: tuple[Path, ...]
+    keep: frozenset[str]
+
+
+class _Segment:
+    """Units [first, last] of a stage, run as one session."""
+
+    def __init__(self, manifest: Manifest, first: int, last: int,
+                 session: ort.InferenceSession) -> None:
+        self.first, self.last = first, last
+        self.units = manifest.units[first : last + 1]
+        self.session = session
+        self.sampled = any(unit.sampled for unit in self.units)
+        self._run = _NativeRun(session)
+        self._inputs = tuple(dict.fromkeys(
+            inp.name for unit in self.units for inp in unit.inputs
+            if not first <= inp.producer <= last))
+        self._state = tuple(spec for unit in self.units for spec in unit.state)
+        # a joined run's time goes to its units by their FLOPs (at least 1, so that each
+        # unit's time stays positive): the planner prices units, not runs
+        flops = [max(unit.flops_per_token.decode, 1.0) for unit in self.units]
+        self._shares = [(unit.index, f / sum(flops)) for unit, f in zip(self.units, flops,
+                                                                        strict=True)]
+
+    def run(self, values: dict[str, Value], state: dict[str, Value],
+            new_state: dict[str, NativeValue], rows: int | None, run_options: Any) -> None:
+        """Run on `values` (on the inputs' last `rows` positions, if given), adding the
+        outputs to them and the new K/V to `new_state`."""
+        given = {name: values[name] for name in self._inputs}
+        if rows is not None:  # arrays of their own, alive until the run (_native wraps them)
+            given = {name: last_rows(_numpy(value), rows) for name, value in given.items()}
+        feeds = {name: _native(value) for name, value in given.items()}
+        feeds.update((spec.input, _native(state[spec.input])) for spec in self._state)
+        produced = self._run(feeds, run_options)
+        for spec in self._state:
+            new_state[spec.input] = produced.pop(spec.output)
+        values.update(produced)
+
+    def share_time(self, seconds: float, unit_s: dict[int, float]) -> None:
+        for index, share in self._shares:
+            unit_s[index] = seconds * share
+
+
+def _segments(manifest: Manifest, unit_dir: Path, first: int, last: int,
+              options: ExecutorOptions, shelf: SessionShelf,
+              exit: ExitPoint | None) -> list[_Segment]:
+    """Units [first, last] as the sessions that run them: joined by block, kept apart where
+    their files lie in different folders or where the shelf already runs a unit alone (a
+    movable copy, or a unit an earlier stage ran alone: not loaded again)."""
+    paths = {u.index: unit_dir / u.model_file.name for u in manifest.units[first : last + 1]}
+
+    def apart(unit: int, following: int) -> bool:
+        return paths[unit].parent != paths[following].parent or any(
+            shelf.holds_alone(manifest, manifest.units[u], options) for u in (unit, following))
+
+    wanted = []
+    for start, end in segments(blocks(manifest, options.join_bytes), first, last, apart):
+        keep = kept_outputs(manifest, start, end)
+        if exit is not None and start <= exit.unit <= end:
+            keep |= {exit.hidden}
+        units = manifest.units[start : end + 1]
+        wanted.append(_Wanted(units, tuple(paths[u.index] for u in units), keep))
+    sessions = shelf.sessions(manifest, wanted, options)
+    built = [_Segment(manifest, w.units[0].index, w.units[-1].index, session)
+             for w, session in zip(wanted, sessions, strict=True)]
+    return built
 
 
 @dataclass
@@ -623,8 +731,8 @@ def held_bytes(executors: Iterable[StageExecutor], held: Iterable[HeldUnit] = ()
     weights: dict[int, int] = {id(h.session): h.unit.weight_bytes for h in held}
     kv: dict[int, int] = {}
     for executor in executors:
-        for unit, session in zip(executor.units, executor._sessions, strict=True):
-            weights[id(session)] = unit.weight_bytes
+        for segment in executor._segments:
+            weights[id(segment.session)] = sum(unit.weight_bytes for unit in segment.units)
         if executor.exit is not None:
             weights[id(executor._exit_session)] = executor.manifest.units[
                 executor.exit.head].weight_bytes

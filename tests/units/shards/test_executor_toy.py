@@ -102,7 +102,8 @@ def test_thread_count_is_set_explicitly(toy, threads, expected):
     # 0 must not reach ONNX Runtime: its own default pins pool threads to cores
     _, manifest, directory = toy
     stage = StageExecutor(manifest, directory, 0, 2, ExecutorOptions(threads=threads))
-    assert [s.get_session_options().intra_op_num_threads for s in stage._sessions] == [expected] * 3
+    assert [s.get_session_options().intra_op_num_threads for s in stage.sessions] == (
+        [expected] * len(stage.sessions))
 
 
 @pytest.mark.parametrize("options", [ExecutorOptions(),
@@ -110,7 +111,7 @@ def test_thread_count_is_set_explicitly(toy, threads, expected):
 def test_memory_options_reach_every_session(toy, options):
     _, manifest, directory = toy
     stage = StageExecutor(manifest, directory, 0, 2, options)
-    for session in stage._sessions:
+    for session in stage.sessions:
         session_options = session.get_session_options()
         assert session_options.enable_cpu_mem_arena is options.memory_arena
         if options.memory_arena:  # the process's one arena, not one of the session's own
