@@ -103,7 +103,6 @@ CHECKS_ON_HANDOVER_S = 2.0
 
 # The answers that say only whether a request about a sequence's K/V was done
 _Done = TypeVar("_Done", SequenceMoved, SequenceForked)
-_Result = TypeVar("_Result")
 
 # Called with each new token of an answer; returning True ends the answer after it (its text
 # reached a stop string), at once on every stage.
@@ -235,7 +234,6 @@ class DataPlane:
         self._computing: set[str] = set()  # sequences with a step on the compute thread
         self._ready: list[_Ready] = []  # steps waiting for the compute thread
         self._computes = False  # a task is running the ready steps
-        self._offloaded = 0  # calls on the compute thread not yet returned
         self._gathering: dict[tuple[int, str], _Gathering] = {}  # by (source stage, batch)
         self._wave: list[_Running] = []  # the head's answers waiting to step together
         self._in_flight: set[str] = set()  # the head's answers with a step under way
@@ -441,8 +439,9 @@ class DataPlane:
         count = drafts_wanted(self.exits, generation, running.params)
         if count == 0 or executor is None:
             return Drafts()
-        return await self._on_compute_thread(draft, executor, generation, count,
-                                             running.params)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._compute, draft, executor, generation, count,
+                                          running.params)
 
     def _landed(self, seq_id: str) -> None:
         """The answer's step is no longer under way: its token came, or it ended."""
@@ -782,7 +781,8 @@ class DataPlane:
             return
         running.deciding = step
         try:
-            logits = await self._on_compute_thread(executor.exit_logits, hidden)
+            loop = asyncio.get_running_loop()
+            logits = await loop.run_in_executor(self._compute, executor.exit_logits, hidden)
             token = exit_token(self.exits, self.exit_sampler, seq_id, logits)
             if token is not None and not running.done.done():
                 self._on_exit(running, step, token)
@@ -803,16 +803,14 @@ class DataPlane:
         return await ready.done
 
     async def _compute_ready(self) -> None:
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 batch, self._ready = self.worker.due(self._ready, lambda ready: ready.step)
                 if not batch:
                     return
                 steps = [ready.step for ready in batch]
-                if self._runs_inline(steps):
-                    outcomes = self.worker.run_many(steps)
-                else:
-                    outcomes = await self._on_compute_thread(self.worker.run_many, steps)
+                outcomes = await loop.run_in_executor(self._compute, self.worker.run_many, steps)
                 for ready, outcome in zip(batch, outcomes, strict=True):
                     if ready.done.done():
                         continue
@@ -820,30 +818,8 @@ class DataPlane:
                         ready.done.set_exception(outcome)
                     else:
                         ready.done.set_result(outcome)
-                await asyncio.sleep(0)  # the outcomes' messages go before the next batch runs
         finally:
             self._computes = False
-
-    def _runs_inline(self, steps: list[Step]) -> bool:
-        """Whether to run the steps on the event loop rather than the compute thread: a lone
-        decode step of a whole stage, while the thread has nothing to do. Handing a step to
-        the thread and its outcome back each wake a thread, 0.3 ms apiece on the 2-core
-        development machine: 1.5 of the 4.4 ms per token that one answer split over three
-        daemons spent outside its stages' compute (2026-11-29). A decode step blocks the loop
-        for no longer than a step's compute; a prefill, a batch (whose next steps the loop
-        receives while the thread computes) and a group stage (whose step waits on messages
-        from its members) stay on the thread."""
-        return (len(steps) == 1 and steps[0].step > 0 and not self._offloaded
-                and isinstance(self.worker.executor, StageExecutor))
-
-    async def _on_compute_thread(self, work: Callable[..., _Result], *args: object) -> _Result:
-        """`work(*args)` on the compute thread (the steps of the stage's units run one at a
-        time: the thread is one)."""
-        self._offloaded += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._compute, work, *args)
-        finally:
-            self._offloaded -= 1
 
     async def _emit_token(self, seq_id: str, step: int, token: int,
                           logprobs: TokenLogprobs | None, checks: tuple[int, ...]) -> None:
