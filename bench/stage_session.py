@@ -1,13 +1,14 @@
 """Units joined into sessions against one session per unit, side by side in one process.
 
-A stage runs its units joined, one ONNX Runtime session per block of at most
-`ExecutorOptions.join_bytes` of weights (shards/joined.py); with `join_bytes=0` each unit
-runs in a session of its own, as daemons did before. This bench times a one-token decode
-step from empty K/V over all the bench model's units three ways, interleaved step by step so
-the machine's pace hits each alike: each unit alone; joined by the default block size; the
-whole model as one joined session (and its LM head). All three use the daemons' options
-otherwise. It prints each one's median, its ratio to the units alone, how many sessions a
-step runs, and whether the logits equal those of the units alone bit for bit.
+`peerd generate` runs its units joined, one ONNX Runtime session per block of at most
+`ExecutorOptions.join_bytes` of weights (shards/joined.py); with `join_bytes=0` (daemons)
+each unit runs in a session of its own. This bench times a one-token decode step from empty
+K/V over all the bench model's units three ways, interleaved step by step so the machine's
+pace hits each alike: each unit alone; joined by JOIN_BYTES blocks, as `peerd generate`
+runs them; the whole model as one joined session (and its LM head). All three use the
+daemons' threading otherwise. It prints each one's median, its ratio to the units alone,
+how many sessions a step runs, and whether the logits equal those of the units alone bit
+for bit.
 
     .venv/bin/python -m bench.stage_session [--dir DIR] [--steps 40]
 """
@@ -28,6 +29,7 @@ from bench.llama_checkpoint import add_shape_arguments, reusable_llama, shape_fr
 from bench.shards import shard_units
 from bench.workdir import run_in
 from shards.executor import ExecutorOptions, StageExecutor
+from shards.joined import JOIN_BYTES
 from shards.manifest import Quant
 
 WARM_UP_STEPS = 3
@@ -46,7 +48,7 @@ def _bench(root: Path, args: argparse.Namespace) -> None:
     whole = sum(unit.weight_bytes for unit in manifest.units)
     executors = {
         "each unit alone (join_bytes=0)": ExecutorOptions(join_bytes=0),
-        f"joined by {ExecutorOptions().join_bytes >> 20} MiB blocks": ExecutorOptions(),
+        f"joined by {JOIN_BYTES >> 20} MiB blocks": ExecutorOptions(join_bytes=JOIN_BYTES),
         "joined whole": ExecutorOptions(join_bytes=whole),
     }
     ways = {name: StageExecutor(manifest, directory, 0, last, options)

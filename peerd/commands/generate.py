@@ -28,6 +28,7 @@ from shards.cli import shard_or_reuse
 from shards.early_exit import ExitSettings, stage_exit
 from shards.errors import ModelError, NoTokenizer
 from shards.executor import ExecutorOptions, StageExecutor
+from shards.joined import JOIN_BYTES
 from shards.manifest import Manifest, Quant
 from shards.sampling import SamplingParams
 from shards.share_layout import ShareUnits
@@ -35,8 +36,9 @@ from shards.share_split import ShareError
 from shards.text_stream import TextStream
 from shards.tokenizer import Tokenizer
 
-# `peerd generate` is a foreground process that has the cores to itself: the shared pool
-GENERATE_OPTIONS = ExecutorOptions(shared_pool=True)
+# `peerd generate` is a foreground process that has the cores to itself: the shared pool,
+# and the units joined into a few sessions (ExecutorOptions says why daemons do neither)
+GENERATE_OPTIONS = ExecutorOptions(shared_pool=True, join_bytes=JOIN_BYTES)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

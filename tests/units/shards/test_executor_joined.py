@@ -15,10 +15,11 @@ from sharding import sharded
 
 from shards.early_exit import EXIT_HIDDEN, exit_point
 from shards.executor import ExecutorOptions, SessionShelf, StageExecutor, held_bytes
-from shards.joined import blocks
+from shards.joined import JOIN_BYTES, blocks
 from shards.manifest import Manifest
 
 ALONE = ExecutorOptions(join_bytes=0)
+JOINED = ExecutorOptions(join_bytes=JOIN_BYTES)
 PROMPT = [1, 17, 42, 99, 7, 250]
 
 
@@ -86,11 +87,12 @@ def test_joined_stages_answer_bit_for_bit_as_units_alone(llama):
     last = len(manifest.units) - 1
     answers = {}
     for name, options in (("alone", ALONE), ("by layers", ExecutorOptions(
-            join_bytes=_layer_bytes(manifest))), ("default", ExecutorOptions())):
+            join_bytes=_layer_bytes(manifest))), ("default", JOINED)):
         stages = [StageExecutor(manifest, directory, 0, 4, options),
                   StageExecutor(manifest, directory, 5, last, options)]
         answers[name] = _steps(stages, ["a", "b"], 3)
-    assert len(StageExecutor(manifest, directory, 5, last).sessions) == 2, "layers, then head"
+    assert len(StageExecutor(manifest, directory, 5, last, JOINED).sessions) == 2, (
+        "layers, then head")
     for name in ("by layers", "default"):
         for joined, alone in zip(answers[name], answers["alone"], strict=True):
             np.testing.assert_array_equal(joined, alone, err_msg=name)
@@ -100,7 +102,7 @@ def test_the_exit_reads_a_hidden_state_from_inside_a_joined_block(llama):
     manifest, directory = llama.manifest, llama.directory
     point = exit_point(manifest, 1)
     hidden = []
-    for options in (ALONE, ExecutorOptions()):
+    for options in (ALONE, JOINED):
         stage = StageExecutor(manifest, directory, 0, 6, options, exit=point)
         assert options is ALONE or stage.session(point.unit) is stage.session(point.unit + 1)
         out = stage.step("s", {"input_ids": np.array([PROMPT]),
@@ -111,7 +113,7 @@ def test_the_exit_reads_a_hidden_state_from_inside_a_joined_block(llama):
 
 def test_a_warm_up_times_every_unit_of_a_joined_block(llama):
     manifest, directory = llama.manifest, llama.directory
-    stage = StageExecutor(manifest, directory, 0, 6)
+    stage = StageExecutor(manifest, directory, 0, 6, JOINED)
     timed = stage.warm_up(runs=2)
     assert sorted(timed) == list(range(7)) and all(seconds > 0 for seconds in timed.values())
 
@@ -149,11 +151,11 @@ def test_a_unit_the_shelf_runs_alone_is_not_loaded_again(llama, tmp_path):
     shutil.copytree(llama.directory, directory)
     shelf = SessionShelf()
     copy = shelf.session(manifest, manifest.units[2], directory / manifest.units[2].model_file.name,
-                         ExecutorOptions())
+                         JOINED)
     for file in manifest.units[2].files:
         (directory / file.name).unlink()
 
-    stage = StageExecutor(manifest, directory, 0, 4, shelf=shelf)
+    stage = StageExecutor(manifest, directory, 0, 4, JOINED, shelf)
 
     assert stage.session(2) is copy
     assert stage.session(3) is stage.session(4), "the units after it still joined"
@@ -162,12 +164,14 @@ def test_a_unit_the_shelf_runs_alone_is_not_loaded_again(llama, tmp_path):
 _WITHOUT_ONNX = """
 import json, sys
 import numpy as np
-from shards.executor import StageExecutor
+from shards.executor import ExecutorOptions, StageExecutor
+from shards.joined import JOIN_BYTES
 from shards.manifest import Manifest
 
 directory, prompt = sys.argv[1], json.loads(sys.argv[2])
 manifest = Manifest.load(directory)
-stage = StageExecutor(manifest, directory, 0, len(manifest.units) - 1)
+stage = StageExecutor(manifest, directory, 0, len(manifest.units) - 1,
+                      ExecutorOptions(join_bytes=JOIN_BYTES))
 out = stage.step("s", {"input_ids": np.array([prompt]),
                        "position_ids": np.arange(len(prompt))[None]})
 print(json.dumps({"onnx": "onnx" in sys.modules, "sessions": len(stage.sessions),
