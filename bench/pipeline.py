@@ -1,8 +1,9 @@
 """What the network path costs, measured side by side in one run on this machine.
 
 1. Decode tokens/s of one model run whole in one process (the `peerd generate --parts 1`
-   path) and split over three real daemons on loopback (separate `peerd start` processes,
-   CURVE-encrypted ZeroMQ, chat through the local socket), and their ratio (target >= 0.95).
+   path, with its options: the process-wide thread pool, the units joined) and split over
+   three real daemons on loopback (separate `peerd start` processes, CURVE-encrypted
+   ZeroMQ, chat through the local socket), and their ratio (target >= 0.95).
    The two alternate, one answer each per round, so load from other processes on the
    machine hits both alike; the figures are medians over the rounds. The split's time per
    token is divided into the stages' compute (each stage's own figures for the answer,
@@ -45,7 +46,7 @@ from pathlib import Path
 from bench.llama_checkpoint import add_shape_arguments, reusable_llama, shape_from
 from bench.workdir import run_in
 from peerd.commands.chat import stream_answer
-from peerd.commands.generate import build_pipeline, generate
+from peerd.commands.generate import GENERATE_OPTIONS, build_pipeline, generate
 from peerd.commands.local_cluster import LocalCluster
 from peerd.inference.local_pipeline import LocalPipeline
 from peerd.inference.pipeline import Generation, TokenSampler
@@ -93,7 +94,8 @@ def _bench(root: Path, args: argparse.Namespace) -> None:
 
 def _whole_vs_split(cluster: LocalCluster, tokens: int, repeats: int) -> LocalPipeline:
     manifest, head_dir = cluster.manifest, cluster.dirs[0]
-    whole = build_pipeline(manifest, head_dir / "shards" / manifest.key, 1)
+    whole = build_pipeline(manifest, head_dir / "shards" / manifest.key, 1,
+                           options=GENERATE_OPTIONS)
     _warm_up(whole, manifest, head_dir)
     _print_ratio([_round(whole, manifest, head_dir, tokens) for _ in range(repeats)], tokens)
     return whole
