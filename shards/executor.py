@@ -21,11 +21,10 @@ so they are never copied into numpy.
 With `ExecutorOptions.join_bytes` the units run joined, a few sessions per stage rather than
 one per unit (shards/joined.py): one session per block of the model's units, or per part of
 a block the stage's range cuts. A session holds weights and nothing of any sequence, so
-executors built with one
-`SessionShelf` run each block's session once between them: during a rebalance the new plan's
-stage takes the sessions it shares with the old plan's stage (the blocks both hold whole,
-and any unit the old one ran alone) and loads the rest (`held_bytes` counts a shared session
-once).
+executors built with one `SessionShelf` run each session once between them: during a
+rebalance the new plan's stage takes the sessions it shares with the old plan's stage (each
+unit, or with `join_bytes` the blocks both hold whole and any unit the old one ran alone)
+and loads the rest (`held_bytes` counts a shared session once).
 
 Each step can report how long each unit took (`step(..., unit_s=)`; a joined run's time
 shared among its units by their decode FLOPs), and `warm_up` times a one-token step on
@@ -569,8 +568,9 @@ class SessionShelf:
         (shards/joined.py) are joined in one go."""
         with self._lock:
             keys = [_shelf_key(manifest, w.units, options, w.keep) for w in wanted]
-            found = [self._held.get(key) for key in keys]
-            missing = [i for i, session in enumerate(found) if session is None]
+            found = {i: session for i, key in enumerate(keys)
+                     if (session := self._held.get(key)) is not None}
+            missing = [i for i in range(len(wanted)) if i not in found]
             joins = [Join(tuple(JoinedUnit.of(*pair) for pair in zip(w.units, w.paths,
                                                                      strict=True)), w.keep)
                      for w in (wanted[i] for i in missing) if len(w.units) > 1]
@@ -587,7 +587,7 @@ class SessionShelf:
                               for unit, path in zip(units, paths, strict=True)
                               for f in unit.files[1:])
                 self._held[keys[i]] = found[i] = session
-            return [session for session in found if session is not None]
+            return [found[i] for i in range(len(wanted))]
 
     def holds_alone(self, manifest: Manifest, unit: Unit, options: ExecutorOptions) -> bool:
         """Whether some executor, or a held copy, runs `unit` in a session of its own."""
@@ -646,6 +646,7 @@ class _Segment:
         values.update(produced)
 
     def share_time(self, seconds: float, unit_s: dict[int, float]) -> None:
+        """Write each unit's share of the run's `seconds` into `unit_s`."""
         for index, share in self._shares:
             unit_s[index] = seconds * share
 

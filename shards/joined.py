@@ -12,7 +12,8 @@ the part it holds (`segments`). Sessions are shared by block (shards/executor.py
 `SessionShelf`), so a plan change that moves a stage's ends loads again at most the two
 blocks it cuts, not the units it keeps: bounded memory while the old and the new stage are
 both held, against most of the saving (a 128 MiB block of float32 weights takes ~10 ms to
-read, its run's fixed cost ~0.1 ms).
+read, its run's fixed cost ~0.1 ms). `peerd generate` joins by `JOIN_BYTES`; daemons run
+each unit alone (shards/executor.py, `ExecutorOptions`, says why).
 """
 
 from __future__ import annotations
