@@ -152,15 +152,15 @@ def joined_graph(units: Sequence[JoinedUnit], graphs: Sequence[onnx.ModelProto],
     outputs: list[onnx.ValueInfoProto] = []
     functions: dict[tuple[str, str, str], onnx.FunctionProto] = {}
     opsets: dict[str, int] = {}
-    produced: set[str] = set()
+    known: set[str] = set()  # names an earlier unit produced, or the joined graph takes in
     for unit, model in zip(units, graphs, strict=True):
         graph = model.graph
         _prefix_inner_names(graph, unit)
         nodes += graph.node
         initializers += graph.initializer
-        inputs += [i for i in graph.input if i.name not in produced | {j.name for j in inputs}]
+        inputs += [i for i in graph.input if i.name not in known]
         outputs += [o for o in graph.output if o.name in kept or o.name in unit.state_outputs]
-        produced |= {o.name for o in graph.output}
+        known |= {i.name for i in graph.input} | {o.name for o in graph.output}
         for opset in model.opset_import:
             opsets[opset.domain] = max(opsets.get(opset.domain, 0), opset.version)
         for function in model.functions:
