@@ -6,9 +6,10 @@ runs on the current data plane. When the plan changes (a rebalance, a new leader
 plane is retired: at its next token boundary the answer moves to the new plane with its K/V
 (peerd/inference/dataplane.py) and continues there. Where the K/V cannot move (a peer lost), the
 answer keeps every token it has, waits for the next plane, and resumes there by re-prefilling its
-prompt and those tokens under a fresh sequence id. Either way the client sees one uninterrupted,
-unchanged answer. When no plan can serve (the model no longer fits), waiting answers end with the
-leader's reason.
+prompt and those tokens under a fresh sequence id. Where the next plan's head is another peer, the
+answer ends here with HeadMoved, and the chat service asks that peer to resume it from the tokens
+streamed so far. Either way the client sees one uninterrupted, unchanged answer. When no plan
+can serve (the model no longer fits), waiting answers end with the leader's reason.
 
 Standalone (CE-CoLLM): where the head's stage has an early exit and the peer was started with
 `--standalone`, an answer whose plan went away keeps going meanwhile from the exit alone, each
@@ -16,6 +17,7 @@ token marked degraded, and continues at full depth once a plan serves again, re-
 there (the deeper stages catch up with the degraded tokens' K/V). Nothing but its client
 paces such an answer: it computes each token only once its client has room for it
 (`ClientRoom`), so an answer whose client stops reading pauses rather than running on alone.
+Once another peer is the head, such an answer goes on there, at full depth.
 """
 
 from __future__ import annotations
@@ -54,6 +56,15 @@ class Busy(GenerationError):
     """Every slot is taken and the waiting line is full."""
 
 
+class HeadMoved(Exception):
+    """The plan's head is another peer now: the answer goes on there (`ChatService` asks
+    it to resume from the tokens already streamed)."""
+
+    def __init__(self, peer: str) -> None:
+        super().__init__(f"the head moved to peer {peer}")
+        self.peer = peer
+
+
 @dataclass(frozen=True)
 class Request:
     prompt: list[int]
@@ -81,11 +92,13 @@ class Answered:
 
 @dataclass
 class _Serving:
-    """What the head serves with now: the plane, its K/V reserve in tokens, or why none."""
+    """What the head serves with now: the plane, its K/V reserve in tokens, or why none:
+    the peer the head moved to, or the problem."""
 
     plane: DataPlane | None = None
     kv_tokens: int = 0
     problem: str | None = None
+    moved_to: str | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -106,13 +119,16 @@ class Answers:
         self._waiting_for_client = 0  # answers from the exit alone, paused for their client
 
     # -- the plan ----------------------------------------------------------------------------
-    def use(self, plane: DataPlane | None, kv_tokens: int = 0, problem: str | None = None) -> None:
-        """Serve with `plane` from now on (None: no plane; `problem` says why, if known)."""
+    def use(self, plane: DataPlane | None, kv_tokens: int = 0, problem: str | None = None,
+            moved_to: str | None = None) -> None:
+        """Serve with `plane` from now on (None: no plane; `problem` says why, if known, or
+        `moved_to` names the peer that is the head now: answers then end with HeadMoved)."""
         current = self._now
-        if (current.plane, current.kv_tokens, current.problem) == (plane, kv_tokens, problem):
+        if ((current.plane, current.kv_tokens, current.problem, current.moved_to)
+                == (plane, kv_tokens, problem, moved_to)):
             return
         current.changed.set()
-        self._now = _Serving(plane, kv_tokens, problem)
+        self._now = _Serving(plane, kv_tokens, problem, moved_to)
         task = asyncio.get_running_loop().create_task(self._recheck_room())
         self._tasks.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._tasks.discard)
@@ -211,17 +227,21 @@ class Answers:
             self._waiting_for_client -= 1
 
     def _serving_again(self, left: DataPlane) -> bool:
+        """A plane other than `left` serves, here or on the peer the head moved to."""
         plane = self._now.plane
-        return plane is not None and not plane.closed and plane is not left
+        moved = self._now.moved_to is not None
+        return moved or (plane is not None and not plane.closed and plane is not left)
 
     async def _plane(self, avoid: DataPlane | None = None) -> DataPlane:
         """The plane to run on (not `avoid`, which failed the answer), waiting up to
-        `resume_wait_s` for one."""
+        `resume_wait_s` for one; HeadMoved where another peer is the head now."""
         deadline = time.monotonic() + self.limits.resume_wait_s
         while True:
             now = self._now
             if now.plane is not None and not now.plane.closed and now.plane is not avoid:
                 return now.plane
+            if now.moved_to is not None:
+                raise HeadMoved(now.moved_to)
             if now.problem is not None:
                 raise GenerationError(now.problem)
             left = deadline - time.monotonic()

@@ -11,9 +11,10 @@ tokens' (computed on the last stage from the raw logits, see shards.sampling.tok
 
 A request typed on any other peer's socket is forwarded to the head (`ChatRequest`) and its
 events relayed back (`ChatEvent`); if that client goes away the head is told (`ChatCancel`)
-and the answer ends on every peer. If the head itself goes away mid-answer, the forwarding
-peer asks the next head to resume it: the same request with the tokens already streamed
-(`resume_ids`), which the new head re-prefills and continues from.
+and the answer ends on every peer. If the head changes mid-answer (it went away, or a new plan
+put the head elsewhere), the peer the client asked, the old head included, asks the next
+head to resume it: the same request with the tokens already streamed (`resume_ids`), which
+the new head re-prefills and continues from.
 
 `Serving` keeps one `DataPlane` per plan this peer has loaded a stage of, and follows the
 events of peerd/control/plan_live.py: on `StageLoaded` it builds the new plan's plane while the
@@ -42,7 +43,7 @@ from peerd.control.deploy import LoadedStage
 from peerd.control.plan_live import PlanEvent, PlanLive, StageLoaded
 from peerd.control.planning import context_for
 from peerd.errors import ErrorKind, PeerdError, invalid
-from peerd.inference.answers import Answered, Answers, Busy, Request
+from peerd.inference.answers import Answered, Answers, Busy, HeadMoved, Request
 from peerd.inference.dataplane import DataPlane, GenerationError, Limits
 from peerd.inference.groups import GroupLead, GroupMember
 from peerd.inference.pipeline import NewToken, TokenLogprobs
@@ -234,14 +235,12 @@ class ChatService:
 
     # -- the local API op --------------------------------------------------------------------
     async def op_chat(self, request: dict[str, Any], send: Send) -> None:
-        body = parse_chat(request)
-        if self.head is not None:
-            await self.answer(body, send)
-        elif self.head_peer is not None:
-            await self._forward({k: v for k, v in request.items() if k != "op"}, send)
-        else:
+        body = {key: value for key, value in request.items() if key != "op"}
+        parse_chat(body)  # a malformed request is refused here, before it reaches any peer
+        if self.head is None and self.head_peer is None:
             raise PeerdError(self.problem or "no model is deployed yet (see peerd status)",
                              ErrorKind.UNAVAILABLE)
+        await self._chat(body, send)
 
     async def answer(self, body: ChatBody, send: Send) -> None:
         """Answer on this peer, the head; streams token events, then the done event."""
@@ -314,27 +313,42 @@ class ChatService:
             self.head_changed.set()
             self.head_changed = asyncio.Event()
 
-    async def _forward(self, body: dict[str, Any], send: Send) -> None:
-        """Relay the head's answer; if the head changes mid-answer, resume on the next one."""
-        streamed: list[int] = []
+    async def _chat(self, body: dict[str, Any], send: Send) -> None:
+        """Answer here while this peer is the head, else relay the head's answer; if the head
+        changes mid-answer, the next head resumes it from the tokens already streamed."""
+        streamed = list(body.get("resume_ids", []))
+
+        async def counted(event: dict[str, Any]) -> None:
+            if event.get("event") == "token":
+                streamed.append(event["token"])
+            await send(event)
+
         while True:
-            head = self.head_peer
-            if head is None:
+            asked = {**body, "resume_ids": list(streamed)}
+            if self.head is not None:
+                ended = await self._answer_here(parse_chat(asked), counted)
+            elif (head := self.head_peer) is not None:
+                ended = await self._ask_head(head, asked, counted)
+            else:
                 raise PeerdError(self.problem or "the head went away and no plan replaced it",
                                  ErrorKind.UNAVAILABLE)
-            asked = {**body, "resume_ids": list(streamed)} if streamed else body
-            if self.head is not None:  # this peer became the head
-                await self.answer(parse_chat(asked), send)
+            if ended:
                 return
-            if await self._ask_head(head, asked, send, streamed):
-                return
-            log.info("the head moved from %s to %s; resuming after %d tokens", head,
-                     self.head_peer, len(streamed))
+            log.info("the head moved to %s; resuming after %d tokens", self.head_peer,
+                     len(streamed))
 
-    async def _ask_head(self, head: str, body: dict[str, Any], send: Send,
-                        streamed: list[int]) -> bool:
+    async def _answer_here(self, body: ChatBody, send: Send) -> bool:
+        """Answer on this peer, the head; False when another peer became the head before
+        the answer ended."""
+        try:
+            await self.answer(body, send)
+        except HeadMoved:
+            return False
+        return True
+
+    async def _ask_head(self, head: str, body: dict[str, Any], send: Send) -> bool:
         """Relay one head's events; False when that head was replaced before the answer
-        ended (the tokens relayed so far are in `streamed`)."""
+        ended."""
         chat_id = uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
         self._asked[chat_id] = queue
@@ -349,8 +363,6 @@ class ChatService:
                 if event is None:
                     return False
                 finished = event.get("event") == "done" or event.get("ok") is False
-                if event.get("event") == "token":
-                    streamed.append(event["token"])
                 await send(event)
             return True
         finally:
@@ -401,6 +413,8 @@ class ChatService:
             try:
                 await self._until_head(HEAD_TAKEOVER_S)
                 await self.answer(parse_chat(message.body), relay)
+            except HeadMoved:
+                pass  # the asking peer resumes the answer on the new head once it learns of it
             except PeerdError as exc:
                 with contextlib.suppress(TransportError):
                     await relay(exc.answer())
@@ -561,8 +575,7 @@ class Serving:
                 self.chat.head = self._head(loaded.manifest)
         else:
             self.chat.head = None
-            self.answers.use(None, problem=f"the head moved to peer {plan.stages[0].peer}; "
-                             "ask again")
+            self.answers.use(None, moved_to=plan.stages[0].peer)
         self._retire_all_but(plane, set(alive))
 
     def _plane_for(self, plan: PlanAssignment, loaded: LoadedStage) -> None:

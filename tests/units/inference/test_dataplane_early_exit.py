@@ -12,7 +12,7 @@ from ring import Peer, link, load, reachable, running_ring
 from sharding import exit_reference, expected_along, reference, sharded
 from waiting import eventually
 
-from peerd.inference.answers import Request
+from peerd.inference.answers import HeadMoved, Request
 from peerd.inference.dataplane import Limits
 from peerd.inference.pipeline import NewToken
 from peerd.inference.serving import ANSWER_BUFFER, parse_chat
@@ -127,10 +127,15 @@ async def test_a_seeded_sampled_speculative_answer_repeats(model):
     assert 0 < sum(e["accepted"] for e in exits if e) < sum(e["drafted"] for e in exits if e)
 
 
-async def test_standalone_answers_from_the_exit_while_the_later_peers_are_gone(model):
-    """The peers behind the exit vanish mid-answer and no plan serves: the answer goes on
-    from the exit, each token marked degraded; two peers take their stages in a new plan:
-    the answer continues at full depth, re-prefilled there."""
+STANDALONE_PROMPT = [1, 17, 42, 99, 7]
+
+
+async def _standalone_answer(
+    model, degraded: int, then,
+) -> tuple[asyncio.Task, list[NewToken], int]:
+    """A standalone answer whose later peers vanish after 4 tokens (`_vanishing`); once it
+    has `degraded` tokens from the exit alone, `then(head, back)` runs. Returns the answer's
+    ended task, the tokens it streamed and the sequences its head's stage still holds."""
     result = sharded(model)
     limits = Limits(send_timeout_s=5.0)
     async with running_ring(result.manifest, result.directory, limits, stages=STAGES,
@@ -143,23 +148,47 @@ async def test_standalone_answers_from_the_exit_while_the_later_peers_are_gone(m
 
         def on_token(new: NewToken) -> None:
             streamed.append(new)
-            degraded = sum(t.degraded for t in streamed)
             if len(streamed) == 4:
                 chores.append(asyncio.create_task(vanish()))
-            elif new.degraded and degraded == 6:
-                head.answers.use(back)
+            elif new.degraded and sum(t.degraded for t in streamed) == degraded:
+                then(head, back)
 
-        request = Request([1, 17, 42, 99, 7], SamplingParams(), 40, frozenset())
-        answer = await asyncio.wait_for(head.answers.generate(request, on_token), 60)
+        request = Request(STANDALONE_PROMPT, SamplingParams(), 40, frozenset())
+        answering = asyncio.create_task(head.answers.generate(request, on_token))
+        await asyncio.wait({answering}, timeout=60)
         await asyncio.gather(*chores)
+        assert answering.done(), "the answer ended within 60 s"
+        return answering, streamed, head.executor.sequence_count
+
+
+async def test_standalone_answers_from_the_exit_while_the_later_peers_are_gone(model):
+    """The peers behind the exit vanish mid-answer and no plan serves: the answer goes on
+    from the exit, each token marked degraded; two peers take their stages in a new plan:
+    the answer continues at full depth, re-prefilled there."""
+    answering, streamed, _ = await _standalone_answer(
+        model, 6, lambda head, back: head.answers.use(back))
+    answer = answering.result()
     flags = [t.degraded for t in streamed]
     assert answer.tokens == [t.id for t in streamed]
     shown = "".join("D" if flag else "." for flag in flags)
     assert shown.startswith("....") and shown.endswith("."), shown
     assert answer.degraded == sum(flags) >= 6
     degraded = {i for i, flag in enumerate(flags) if flag}
-    assert answer.tokens == expected_along(model, 2, tuple(request.prompt), answer.tokens,
+    assert answer.tokens == expected_along(model, 2, tuple(STANDALONE_PROMPT), answer.tokens,
                                            degraded)
+
+
+async def test_a_standalone_answer_ends_with_head_moved_once_another_peer_is_the_head(model):
+    """An answer from the exit alone stops there once a plan puts the head on another peer
+    (which resumes it, peerd/inference/serving.py), and leaves no K/V behind."""
+    answering, streamed, held = await _standalone_answer(
+        model, 3, lambda head, _: head.answers.use(None, moved_to="c2"))
+    with pytest.raises(HeadMoved) as moved:
+        answering.result()
+    assert moved.value.peer == "c2"
+    shown = "".join("D" if t.degraded else "." for t in streamed)
+    assert shown.startswith("....") and shown.endswith(".DDD") and shown.count("D") == 3
+    assert held == 0
 
 
 async def test_a_standalone_answer_pauses_while_its_client_stops_reading(model):

@@ -14,7 +14,7 @@ from peerd.errors import PeerdError
 from peerd.inference.dataplane import Limits
 from peerd.inference.serving import Serving, parse_chat
 from peerd.wire.identity import ClusterSecret, KeyPair
-from peerd.wire.protocol import PlanAssignment, PlanFigures, PlanStage
+from peerd.wire.protocol import ChatEvent, PlanAssignment, PlanFigures, PlanStage
 from peerd.wire.transport import Transport
 from shards.executor import SessionShelf, StageExecutor
 from shards.text_stream import TextStream
@@ -101,6 +101,92 @@ async def test_a_chat_forwarded_before_the_head_knows_it_is_the_head_waits_for_i
     head.chat.set_head_peer("a")
     await asyncio.wait_for(asked, 20)
     assert client.events[-1]["token_ids"] == reference(toy[0], PROMPT, 9)
+
+
+HEAD_ON_C = [("c", 0, 0), ("a", 1, 1), ("b", 2, 2)]  # plan 1.2: c is its head
+ASKED = {"op": "chat", "prompt_ids": PROMPT, "max_tokens": 40}
+
+
+def _plan_with_the_head_on_c(ring, manifest, directory) -> None:
+    """Plan 1.2 loaded on every peer of the ring, serving on c."""
+    for peer, (_, first, last) in zip(ring, sorted(HEAD_ON_C), strict=True):
+        executor = StageExecutor(manifest, directory, first, last, shelf=peer.shelf)
+        peer.add_plane("1.2", manifest, HEAD_ON_C, executor)
+    a, _, c = ring
+    c.answers.use(c.planes["1.2"])
+    c.chat.head = dataclasses.replace(a.chat.head, answers=c.answers)
+
+
+async def _the_head_moves_to_c(ring, told: list) -> None:
+    """What `Serving._serve` does on the peers in `told` when plan 1.2 goes live, with the
+    old head "a" among them; the old plane retires on every peer."""
+    a = ring[0]
+    a.chat.head = None
+    a.answers.use(None, moved_to="c")
+    for peer in told:
+        peer.chat.set_head_peer("c")
+    for peer in ring:
+        await peer.retire("1.1")
+
+
+async def test_an_answer_asked_at_the_head_goes_on_at_the_next_head(toy, ring):
+    model, manifest, directory = toy
+    expected = reference(model, PROMPT, 40)
+    _plan_with_the_head_on_c(ring, manifest, directory)
+    client = Client()
+
+    async def send(event: dict) -> None:
+        await client.send(event)
+        if len(client.events) == 3:
+            await _the_head_moves_to_c(ring, ring)
+
+    await asyncio.wait_for(ring[0].chat.op_chat(ASKED, send), 20)
+    *tokens, done = client.events
+    assert [e.get("token") for e in tokens] == expected
+    assert done["event"] == "done" and done["token_ids"] == expected
+    assert ring[2].planes["1.2"].worker.counters.steps > 0, "c answered the rest"
+
+
+async def test_a_relayed_answer_goes_on_at_the_next_head_when_the_old_head_learns_first(
+    toy, ring,
+):
+    """The old head "a" is told of plan 1.2 first, and b, where the client asked, only once
+    it has relayed every event "a" sent: "a" must send no error, b resumes on c."""
+    model, manifest, directory = toy
+    a, b, _ = ring
+    expected = reference(model, PROMPT, 40)
+    _plan_with_the_head_on_c(ring, manifest, directory)
+    client = Client()
+    sent_by_a = []
+    deliver = a.transport.deliver
+
+    async def counted(peer, msg, timeout):
+        if isinstance(msg, ChatEvent):
+            sent_by_a.append(msg.event)
+        await deliver(peer, msg, timeout)
+
+    a.transport.deliver = counted
+    learned = []
+
+    async def b_learns_last() -> None:
+        await eventually(lambda: not a.chat._forwarded, "a's answer ended", 20)
+        await eventually(lambda: asked.done() or len(client.events) == len(sent_by_a),
+                         "b relayed every event a sent", 20)
+        b.chat.set_head_peer("c")
+
+    async def send(event: dict) -> None:
+        await client.send(event)
+        if len(client.events) == 3:
+            await _the_head_moves_to_c(ring, [a, ring[2]])
+            learned.append(asyncio.ensure_future(b_learns_last()))
+
+    asked = asyncio.ensure_future(b.chat.op_chat(ASKED, send))
+    await asyncio.wait_for(asked, 30)
+    await learned[0]
+    *tokens, done = client.events
+    assert [e.get("token") for e in tokens] == expected
+    assert done["event"] == "done" and done["token_ids"] == expected
+    assert 3 <= len(sent_by_a) < 40 and all(e["event"] == "token" for e in sent_by_a)
 
 
 async def test_errors_on_the_head_reach_a_forwarding_client_as_error_events(ring):
