@@ -83,7 +83,9 @@ class ExecutorOptions:
     instead of taking the free one (89 vs 59 ms per decoded token on a loaded 2-core
     machine). Each unit has its own session and thread pool, so spinning is off by default:
     pools of units that just ran would otherwise keep spinning on the cores the next unit
-    needs (1.4 s instead of 55 ms per token there).
+    needs (1.4 s instead of 55 ms per token there). A stage joined whole whose workers spin
+    only until each run ends decoded 9% faster over three daemons on idle cores, but took
+    twice as long beside a busy process (docs/architecture.md, "Measured and left as it is").
 
     memory_arena: every session built with it allocates from the process's one ONNX Runtime
     arena (`use_process_arena`), handed back at the end of each step (the last unit's run shrinks
