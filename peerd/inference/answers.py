@@ -72,6 +72,7 @@ class Request:
     max_tokens: int
     stop_ids: frozenset[int]
     produced: tuple[int, ...] = ()  # tokens an earlier head already streamed to the client
+    stopped: bool = False  # the text of `produced` already reached a stop string
 
     @property
     def kv_tokens(self) -> int:
@@ -161,7 +162,8 @@ class Answers:
     async def _generate(self, request: Request, on_token: OnToken,
                         room: ClientRoom | None) -> Answered:
         generation = Generation(uuid.uuid4().hex, request.prompt, request.max_tokens,
-                                request.stop_ids, tokens=list(request.produced))
+                                request.stop_ids, tokens=list(request.produced),
+                                stopped=request.stopped)
         resumed, kv_moved, left, plane = 0, 0, None, None
         while not generation.finished:
             if plane is None:

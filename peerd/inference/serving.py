@@ -151,8 +151,8 @@ def parse_chat(request: dict[str, Any]) -> ChatBody:
     produced = request.get("resume_ids", [])
     if not _token_ids(produced):
         raise invalid('"resume_ids" must be a list of integers, token ids >= 0')
-    if max_tokens is not None and len(produced) >= max_tokens:
-        raise invalid('"resume_ids" must be shorter than "max_tokens"')
+    if max_tokens is not None and len(produced) > max_tokens:
+        raise invalid('"resume_ids" must not be longer than "max_tokens"')
     return ChatBody(prompt_ids, messages, prompt, max_tokens, params, tuple(produced),
                     _stops(request.get("stop")))
 
@@ -269,7 +269,8 @@ class ChatService:
             events.put(event)
             return stops.stopped
 
-        request = Request(prompt, body.params, max_tokens, head.stop_ids, body.produced)
+        request = Request(prompt, body.params, max_tokens, head.stop_ids, body.produced,
+                          stops.stopped)
         generation = asyncio.create_task(head.answers.generate(request, on_token, events.room))
         generation.add_done_callback(lambda _: events.put(None))
         try:

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import dataclasses
 import weakref
 
 import numpy as np
@@ -154,6 +155,17 @@ async def _after_tokens(head, request, count: int):
         task.result()  # an answer that ended early says why
     assert seen.is_set(), f"{len(tokens)} of {count} tokens in 10 s"
     return task, tokens
+
+
+async def test_a_resumed_answer_whose_text_already_stopped_computes_nothing(ring):
+    """The tokens an earlier head streamed reached a stop string (`Request.stopped`): the
+    answer ends with them, as it would have there."""
+    request = dataclasses.replace(_request([4, 2], max_tokens=24), produced=(2, 2),
+                                  stopped=True)
+    streamed: list[NewToken] = []
+    result = await asyncio.wait_for(ring[0].answers.generate(request, streamed.append), 10)
+    assert result.tokens == [2, 2] and not streamed
+    assert ring[0].plane.worker.counters.steps == 0
 
 
 async def test_answers_move_to_a_new_plan_mid_answer_and_stay_exact(toy, ring):

@@ -189,6 +189,21 @@ async def test_a_relayed_answer_goes_on_at_the_next_head_when_the_old_head_learn
     assert 3 <= len(sent_by_a) < 40 and all(e["event"] == "token" for e in sent_by_a)
 
 
+@pytest.mark.parametrize("asked_on", [0, 2], ids=["head", "forwarded"])
+async def test_an_answer_its_resume_ids_already_end_gets_only_its_done_event(toy, ring,
+                                                                            asked_on):
+    """A head that died between an answer's last token and its done event: the next head
+    is asked to resume with every token, and computes none."""
+    ended = reference(toy[0], PROMPT, 5)
+    client = Client()
+    request = {"prompt_ids": PROMPT, "max_tokens": 5, "resume_ids": ended}
+    await asyncio.wait_for(ring[asked_on].chat.op_chat(request, client.send), 20)
+    [done] = client.events
+    assert done["token_ids"] == ended and done["finish_reason"] == "length"
+    assert done["stats"]["generated_tokens"] == 0
+    assert ring[0].plane.worker.counters.steps == 0
+
+
 async def test_errors_on_the_head_reach_a_forwarding_client_as_error_events(ring):
     client = Client()
     request = {"op": "chat", "prompt_ids": PROMPT, "max_tokens": 100}  # 3 + 100 > 64 positions
@@ -247,6 +262,7 @@ async def test_text_prompts_need_a_tokenizer(ring):
         ({"prompt_ids": [1], "max_tokens": True}, "max_tokens"),
         ({"prompt_ids": [1], "top_p": 2}, "top-p"),
         ({"prompt_ids": [1], "temperature": "hot"}, "sampling"),
+        ({"prompt_ids": [1], "max_tokens": 2, "resume_ids": [1, 2, 3]}, "resume_ids"),
     ],
 )
 def test_malformed_chat_requests_are_refused_with_the_reason(request_, reason):
