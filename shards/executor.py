@@ -34,6 +34,7 @@ units (docs/planner.md).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import statistics
@@ -614,12 +615,11 @@ class _Wanted(NamedTuple):
 
 
 class _Segment:
-    """Units [first, last] of a stage, run as one session."""
+    """Consecutive units of a stage, run as one session."""
 
-    def __init__(self, manifest: Manifest, first: int, last: int,
-                 session: ort.InferenceSession) -> None:
-        self.first, self.last = first, last
-        self.units = manifest.units[first : last + 1]
+    def __init__(self, units: Sequence[Unit], session: ort.InferenceSession) -> None:
+        first, last = units[0].index, units[-1].index
+        self.units, self.first, self.last = units, first, last
         self.session = session
         self.sampled = any(unit.sampled for unit in self.units)
         self._run = _NativeRun(session)
@@ -630,8 +630,9 @@ class _Segment:
         # a joined run's time goes to its units by their FLOPs (at least 1, so that each
         # unit's time stays positive): the planner prices units, not runs
         flops = [max(unit.flops_per_token.decode, 1.0) for unit in self.units]
-        self._shares = [(unit.index, f / sum(flops)) for unit, f in zip(self.units, flops,
-                                                                        strict=True)]
+        total = sum(flops)
+        self._shares = [(unit.index, f / total) for unit, f in zip(self.units, flops,
+                                                                   strict=True)]
 
     def run(self, values: dict[str, Value], state: dict[str, Value],
             new_state: dict[str, NativeValue], rows: int | None, run_options: Any) -> None:
@@ -661,9 +662,12 @@ def _segments(manifest: Manifest, unit_dir: Path, first: int, last: int,
     movable copy, or a unit an earlier stage ran alone: not loaded again)."""
     paths = {u.index: unit_dir / u.model_file.name for u in manifest.units[first : last + 1]}
 
+    @functools.cache
+    def alone(unit: int) -> bool:
+        return shelf.holds_alone(manifest, manifest.units[unit], options)
+
     def apart(unit: int, following: int) -> bool:
-        return paths[unit].parent != paths[following].parent or any(
-            shelf.holds_alone(manifest, manifest.units[u], options) for u in (unit, following))
+        return paths[unit].parent != paths[following].parent or alone(unit) or alone(following)
 
     wanted = []
     for start, end in segments(blocks(manifest, options.join_bytes), first, last, apart):
@@ -673,9 +677,7 @@ def _segments(manifest: Manifest, unit_dir: Path, first: int, last: int,
         units = manifest.units[start : end + 1]
         wanted.append(_Wanted(units, tuple(paths[u.index] for u in units), keep))
     sessions = shelf.sessions(manifest, wanted, options)
-    built = [_Segment(manifest, w.units[0].index, w.units[-1].index, session)
-             for w, session in zip(wanted, sessions, strict=True)]
-    return built
+    return [_Segment(w.units, session) for w, session in zip(wanted, sessions, strict=True)]
 
 
 @dataclass
