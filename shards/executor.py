@@ -43,7 +43,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -112,12 +112,17 @@ class ExecutorOptions:
     runs on it (`use_shared_pool`).
 
     join_bytes: units run joined into one session per block of at most this many bytes of
-    weights (shards/joined.py; JOIN_BYTES); 0 runs each unit in a session of its own. A
-    process that owns its cores gains by it (`peerd generate`: a decode step of the 24-layer
-    hidden-1024 model x0.89-0.93 on the shared pool); daemons do not join: two clusters side
-    by side, one answer 15.9 tokens/s joined against 15.3 alone and 4 in flight 48.2 against
-    48.6, within the noise, while a plan change that cuts a block would load its units again
-    beside the old stage's (a rebalance otherwise loads only the units a peer gains).
+    weights (shards/joined.py; JOIN_BYTES, or JOIN_WHOLE for each stage as one session);
+    0 runs each unit in a session of its own. A process that owns its cores gains by it
+    (`peerd generate`: a decode step of the 24-layer hidden-1024 model x0.89-0.93 on the
+    shared pool). Daemons join a stage whole when its weights fit twice in the memory
+    available (peerd/control/deploy.py, `stage_options`): two three-daemon clusters side by side,
+    one of them joining whole, 6 rounds each way on 2026-11-29, one answer 20.0 against
+    18.4 and 19.2 against 18.0 tokens/s, 4 in flight 64.5 against 61.0 and 63.1 against
+    59.5 (the same clusters both unchanged: 19.5 against 18.8, 61.7 against 60.3); joined
+    by 128 MiB blocks instead, 19.6 against 19.1 and 63.9 against 62.9. Of a stage joined
+    whole the next plan's stage shares only what runs alone (the LM head, movable copies)
+    and loads the rest again beside it.
     """
 
     threads: int = 0
@@ -600,8 +605,10 @@ class SessionShelf:
 
 def _shelf_key(manifest: Manifest, units: tuple[Unit, ...], options: ExecutorOptions,
                keep: frozenset[str]) -> tuple:
+    """What makes two sessions the same; not `join_bytes`, which only groups units: a unit
+    run alone is the same session whatever its stage's join."""
     return (manifest.key, tuple(u.index for u in units),
-            tuple(u.model_file.sha256 for u in units), options,
+            tuple(u.model_file.sha256 for u in units), replace(options, join_bytes=0),
             keep if len(units) > 1 else frozenset())
 
 

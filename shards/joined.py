@@ -12,8 +12,10 @@ the part it holds (`segments`). Sessions are shared by block (shards/executor.py
 `SessionShelf`), so a plan change that moves a stage's ends loads again at most the two
 blocks it cuts, not the units it keeps: bounded memory while the old and the new stage are
 both held, against most of the saving (a 128 MiB block of float32 weights takes ~10 ms to
-read, its run's fixed cost ~0.1 ms). `peerd generate` joins by `JOIN_BYTES`; daemons run
-each unit alone (shards/executor.py, `ExecutorOptions`, says why).
+read, its run's fixed cost ~0.1 ms). `peerd generate` joins by `JOIN_BYTES`; a daemon joins
+its stage whole (`JOIN_WHOLE`) where a second copy of it fits, else runs each unit alone
+(peerd/control/deploy.py, `stage_options`; shards/executor.py, `ExecutorOptions`, has the
+figures).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     import onnx
 
 JOIN_BYTES = 128 * 2**20
+JOIN_WHOLE = 2**62  # join_bytes that joins any stage whole (the LM head still runs alone)
 
 
 def blocks(manifest: Manifest, join_bytes: int) -> tuple[tuple[int, int], ...]:

@@ -11,9 +11,13 @@ reports ``ready``; a peer without a stage unloads and reports
 ``ready`` with no units. Progress goes to the leader as DeployReports and to the log.
 
 A peer whose range changes serves on its old stage until the new plan is live
-(peerd/inference/serving.py). Its executors share one SessionShelf, so the new stage runs the
-old stage's sessions of the units both hold and loads only the units it gains; the units it
-loses are freed when the old plane retires, taking the old executor with it.
+(peerd/inference/serving.py). Its executors share one SessionShelf, and the units it loses
+are freed when the old plane retires, taking the old executor with it. A stage runs as one
+joined session when its weights fit twice in the memory the peer has available as it loads
+(capped by --memory-budget; `stage_options`): decoding then skips a run's fixed costs
+between units, and a next plan's stage as large, loaded whole beside it, fits too.
+Otherwise each unit runs alone, and the new stage runs the old stage's sessions of the
+units both hold and loads only the units it gains.
 
 Once its stage is ready, a peer also loads the movable copies its plan stage names (the
 overlap plan: neighbours' boundary units, within its memory budget) into the same shelf and
@@ -36,6 +40,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from peerd.cluster.monitor import read_memory
 from peerd.cluster.unit_clock import UnitClock
 from peerd.control.unit_store import UnitStore
 from peerd.control.unit_transfer import CHUNK_BYTES, Ask, fetch_file
@@ -50,6 +55,7 @@ from peerd.wire.protocol import (
 from peerd.wire.states import DeployState, ExportState
 from shards.early_exit import ExitPoint, ExitSettings, exit_point, last_exit_layer
 from shards.executor import ExecutorOptions, HeldUnit, SessionShelf, StageExecutor
+from shards.joined import JOIN_WHOLE
 from shards.manifest import Manifest, ManifestError, Unit, UnitFile
 from shards.share_layout import Norm, ShareUnit, ShareUnits
 from shards.share_split import LayerShape, split_layer
@@ -60,6 +66,15 @@ REPORT_INTERVAL_S = 1.0
 SHARES_POLL_S = 0.5  # how often a group member asks again while the model peer exports
 
 AskShares = Callable[[str, SharesRequest], Awaitable[SharesOffer]]
+UNITS_ALONE = ExecutorOptions()  # the sessions of movable copies and group shares too
+
+
+def stage_options(weight_bytes: int, memory_available: int) -> ExecutorOptions:
+    """How a stage of `weight_bytes` of weights runs on a peer with `memory_available` as it
+    loads: joined whole when a second copy fits beside it, for the next plan's stage."""
+    if 2 * weight_bytes <= memory_available:
+        return ExecutorOptions(join_bytes=JOIN_WHOLE)
+    return UNITS_ALONE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,12 +113,14 @@ class Deployment:
         chunk_bytes: int = CHUNK_BYTES,
         unit_clock: UnitClock | None = None,
         exits: ExitSettings | None = None,
+        memory_budget: int | None = None,
     ):
         """`ask(peer)` sends a chunk request to that peer and returns its answer; `report`
         delivers a DeployReport to the leader; `local_files` are unit files this peer has
         without fetching (sha256 -> path: the model peer's shard directory); `unit_clock`
         gets the time of each unit's warm-up step; with `exits`, a first stage also loads
-        the head unit, to run it on the exit's hidden state."""
+        the head unit, to run it on the exit's hidden state; `memory_budget` (--memory-budget)
+        caps the memory available that decides how a stage runs (`stage_options`)."""
         self.me = me
         self.store = store
         self._ask = ask
@@ -114,7 +131,7 @@ class Deployment:
         self.unit_clock = unit_clock or UnitClock()
         self.exits = exits or ExitSettings()
         self.sessions = SessionShelf()  # the unit sessions of this peer's stages, old and new
-        self._options = ExecutorOptions()  # of its stages' sessions and its copies' alike
+        self._memory_budget = memory_budget
         self.copies: dict[int, HeldUnit] = {}  # the movable copies it holds, by unit index
         self.assignment: PlanAssignment | None = None
         self.manifest: Manifest | None = None  # the current plan's
@@ -208,9 +225,11 @@ class Deployment:
             await self._fetch(model_peer, missing)
         self._set(DeployState.LOADING, detail=f"loading units {_range(stage)}")
         self.loaded = None  # its plane holds the old stage until the new one is live
+        weights = sum(u.weight_bytes for u in manifest.units[stage.first : stage.last + 1])
+        options = stage_options(weights, read_memory(self._memory_budget).available)
         executor = await asyncio.to_thread(
             StageExecutor, _at_paths(manifest, paths), self.store.root, stage.first, stage.last,
-            self._options, self.sessions, point,
+            options, self.sessions, point,
         )
         await self._warm_up(manifest, executor)
         self.loaded = LoadedStage(manifest, stage.first, stage.last, executor)
@@ -243,7 +262,7 @@ class Deployment:
         units = _share_units(manifest, stage.weights, offer, index, share_paths)
         runner = await asyncio.to_thread(
             ShareRunner, _at_paths(manifest, paths), self.store.root, stage.first, stage.last,
-            units, index, self._options, plan.key)
+            units, index, UNITS_ALONE, plan.key)
         self.loaded = LoadedStage(manifest, stage.first, stage.last, runner, stage.peers)
         log.info("plan %d: loaded share %d of units %s", plan.plan_id, index, _range(stage))
         self._set(DeployState.READY, detail=f"loaded share {index} of units {_range(stage)}")
@@ -293,7 +312,7 @@ class Deployment:
     def _load_copies(self, manifest: Manifest, indices: tuple[int, ...]) -> dict[int, HeldUnit]:
         units = [manifest.units[i] for i in indices]
         return {u.index: HeldUnit(u, self.sessions.session(
-                    manifest, u, self.store.root / u.model_file.name, self._options))
+                    manifest, u, self.store.root / u.model_file.name, UNITS_ALONE))
                 for u in units}
 
     async def _warm_up(self, manifest: Manifest, executor: StageExecutor) -> None:

@@ -47,11 +47,13 @@ class Plans:
                  spawn: Spawn, listener: Callable[[PlanEvent], None],
                  on_new_plan: Callable[[protocol.PlanAssignment], None],
                  on_deployed: Callable[[], None], unit_clock: UnitClock | None = None,
-                 exits: ExitSettings | None = None, shapes: Shapes | None = None):
+                 exits: ExitSettings | None = None, shapes: Shapes | None = None,
+                 memory_budget: int | None = None):
         """`listener` hears StageLoaded and PlanLive; `on_new_plan` each plan new to this
         peer; `on_deployed` that the leader's current plan has every stage loaded;
         `unit_clock` gets the units' warm-up times; `exits` places an early exit on this
-        peer's stage when it is the first."""
+        peer's stage when it is the first; `memory_budget` caps the memory its stages may
+        count on (peerd/control/deploy.py)."""
         self.cluster = cluster
         self.transport = transport
         self._spawn = spawn
@@ -64,6 +66,7 @@ class Plans:
             self._send_deploy_report, self._ask_shares, local_files=self._served_files,
             unit_clock=unit_clock,
             exits=exits,
+            memory_budget=memory_budget,
         )
         self.watch = PlanWatch(self.deployment, listener)
         self._rescore: tuple[protocol.ClusterReport, str, Prediction | None] | None = None

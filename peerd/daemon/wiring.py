@@ -107,6 +107,7 @@ class Daemon:
             options.objective, options.rebalance, self._spawn, self.serving.on_plan,
             on_new_plan=self._publish_plan, on_deployed=self.measuring.remeasure,
             unit_clock=self.serving.unit_clock, exits=options.exits, shapes=options.shapes,
+            memory_budget=options.memory_budget,
         )
         self.measuring.on_report(self.plans.watch.measured)
         self.ops = ops.LocalOps(self.status, self.events, self.serving.chat.op_chat,

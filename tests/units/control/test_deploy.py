@@ -17,13 +17,15 @@ import pytest
 from toy_units import ToyModel, logits_after_unit0, write_toy
 from waiting import eventually
 
-from peerd.control.deploy import Deployment
+from peerd.control.deploy import UNITS_ALONE, Deployment, stage_options
 from peerd.control.unit_store import UnitStore
 from peerd.control.unit_transfer import FETCH_ATTEMPTS, ChunkServer, TransferError, fetch_file
 from peerd.wire import protocol
 from peerd.wire.identity import ClusterSecret, KeyPair
 from peerd.wire.protocol import PlanAssignment, PlanFigures, PlanStage, UnitChunkRequest
 from peerd.wire.transport import Endpoint, Transport, TransportError
+from shards.executor import StageExecutor
+from shards.joined import JOIN_WHOLE
 from shards.manifest import UnitFile
 
 SECRET = ClusterSecret(b"d" * 32)
@@ -338,6 +340,38 @@ async def test_a_peer_whose_range_grows_loads_only_the_unit_it_gains(toy_cluster
     ids = [3, 1, 4]
     logits = logits_after_unit0(manifest, tmp_path / "model", new, ids)
     np.testing.assert_allclose(logits, toy.logits(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_a_stage_runs_joined_whole_only_where_a_second_copy_of_it_fits():
+    assert stage_options(100, 200).join_bytes == JOIN_WHOLE
+    assert stage_options(100, 199) == UNITS_ALONE
+    assert UNITS_ALONE.join_bytes == 0
+
+
+@pytest.mark.parametrize("room", [True, False], ids=["room-for-two", "tight-budget"])
+async def test_a_stage_with_room_for_a_second_copy_runs_as_one_session(tmp_path: Path, room):
+    toy = ToyModel()
+    manifest = write_toy(tmp_path / "model", toy)
+    weights = sum(u.weight_bytes for u in manifest.units[:2])
+    deployment = Deployment("model", UnitStore(tmp_path / "store"), lambda peer: None,
+                            lambda report: None,
+                            local_files=lambda: manifest.files_in(tmp_path / "model"),
+                            memory_budget=None if room else 2 * weights - 1)
+    try:
+        deployment.assign(_plan(manifest, 1, (PlanStage("model", 0, 1),
+                                              PlanStage("second", 2, 2))))
+        await _until(lambda: deployment.units == (0, 1), "units 0-1")
+        stage = deployment.executor
+        assert isinstance(stage, StageExecutor)
+        assert (stage.session(0) is stage.session(1)) is room
+        ids = [3, 1, 4]
+        request = {"input_ids": np.array([ids], np.int64),
+                   "position_ids": np.arange(len(ids), dtype=np.int64)[None]}
+        head = StageExecutor(manifest, tmp_path / "model", 2, 2)
+        logits = head.step("s", stage.step("s", request))["logits"][0]
+        np.testing.assert_allclose(logits, toy.logits(ids), rtol=1e-5, atol=1e-5)
+    finally:
+        await deployment.close()
 
 
 async def test_movable_copies_are_held_taken_when_the_boundary_moves_and_let_go(toy_cluster):
