@@ -1,15 +1,14 @@
 """Units joined into sessions against one session per unit, side by side in one process.
 
-`peerd generate` runs its units joined, one ONNX Runtime session per block of at most
-`ExecutorOptions.join_bytes` of weights (shards/joined.py); with `join_bytes=0` (a daemon
-short of memory) each unit runs in a session of its own, and a daemon with room joins its
-stage whole. This bench times a one-token decode step from empty
-K/V over all the bench model's units three ways, interleaved step by step so the machine's
-pace hits each alike: each unit alone; joined by JOIN_BYTES blocks, as `peerd generate`
-runs them; the whole model as one joined session (and its LM head). All three use the
-daemons' threading otherwise. It prints each one's median, its ratio to the units alone,
-how many sessions a step runs, and whether the logits equal those of the units alone bit
-for bit.
+Units can run joined, one ONNX Runtime session per block of at most
+`ExecutorOptions.join_bytes` of weights (shards/joined.py): `peerd generate` joins whole, a
+daemon whole or by blocks as its memory allows, and with `join_bytes=0` (a daemon short of
+memory) each unit runs in a session of its own. This bench times a one-token decode step
+from empty K/V over all the bench model's units three ways, interleaved step by step so the
+machine's pace hits each alike: each unit alone; joined by JOIN_BYTES blocks; the whole
+model as one joined session (and its LM head). All three use the daemons' threading
+otherwise. It prints each one's median, its ratio to the units alone, how many sessions a
+step runs, and whether the logits equal those of the units alone bit for bit.
 
     .venv/bin/python -m bench.stage_session [--dir DIR] [--steps 40]
 """

@@ -114,9 +114,11 @@ class ExecutorOptions:
     join_bytes: units run joined into one session per block of at most this many bytes of
     weights (shards/joined.py; JOIN_BYTES, or JOIN_WHOLE for each stage as one session);
     0 runs each unit in a session of its own. A process that owns its cores gains by it
-    (`peerd generate`: a decode step of the 24-layer hidden-1024 model x0.89-0.93 on the
-    shared pool). Daemons join a stage whole when its weights fit twice in the memory
-    available (peerd/control/deploy.py, `stage_options`): two three-daemon clusters side by side,
+    (`peerd generate`, joined whole: a decode step of the 24-layer hidden-1024 model
+    x0.89-0.93 against units alone on the shared pool; 30.1 against 29.0 tokens/s joined
+    by 128 MiB blocks). Daemons join a stage whole when its weights fit twice in the
+    memory available, else by blocks where two blocks more fit (peerd/control/deploy.py,
+    `stage_options`): two three-daemon clusters side by side,
     one of them joining whole, 6 rounds each way on 2026-11-29, one answer 20.0 against
     18.4 and 19.2 against 18.0 tokens/s, 4 in flight 64.5 against 61.0 and 63.1 against
     59.5 (the same clusters both unchanged: 19.5 against 18.8, 61.7 against 60.3); joined

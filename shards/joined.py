@@ -12,10 +12,11 @@ the part it holds (`segments`). Sessions are shared by block (shards/executor.py
 `SessionShelf`), so a plan change that moves a stage's ends loads again at most the two
 blocks it cuts, not the units it keeps: bounded memory while the old and the new stage are
 both held, against most of the saving (a 128 MiB block of float32 weights takes ~10 ms to
-read, its run's fixed cost ~0.1 ms). `peerd generate` joins by `JOIN_BYTES`; a daemon joins
-its stage whole (`JOIN_WHOLE`) where a second copy of it fits, else runs each unit alone
-(peerd/control/deploy.py, `stage_options`; shards/executor.py, `ExecutorOptions`, has the
-figures).
+read, its run's fixed cost ~0.1 ms). `JOIN_WHOLE` makes the whole model one block (the LM
+head still alone): `peerd generate` joins whole, and so does a daemon where a second copy of
+its stage fits; one with room for two blocks more joins by `JOIN_BYTES`; any other runs each
+unit alone (peerd/control/deploy.py, `stage_options`; shards/executor.py, `ExecutorOptions`,
+has the figures).
 """
 
 from __future__ import annotations

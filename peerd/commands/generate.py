@@ -28,7 +28,7 @@ from shards.cli import shard_or_reuse
 from shards.early_exit import ExitSettings, stage_exit
 from shards.errors import ModelError, NoTokenizer
 from shards.executor import ExecutorOptions, StageExecutor
-from shards.joined import JOIN_BYTES
+from shards.joined import JOIN_WHOLE
 from shards.manifest import Manifest, Quant
 from shards.sampling import SamplingParams
 from shards.share_layout import ShareUnits
@@ -36,9 +36,10 @@ from shards.share_split import ShareError
 from shards.text_stream import TextStream
 from shards.tokenizer import Tokenizer
 
-# `peerd generate` is a foreground process that has the cores to itself: the shared pool,
-# and the units joined into a few sessions (ExecutorOptions says why daemons do neither)
-GENERATE_OPTIONS = ExecutorOptions(shared_pool=True, join_bytes=JOIN_BYTES)
+# `peerd generate` is a foreground process that has the cores to itself, and its stages never
+# change: the shared pool, and each stage joined whole (ExecutorOptions says why daemons do
+# neither, or only where their memory allows)
+GENERATE_OPTIONS = ExecutorOptions(shared_pool=True, join_bytes=JOIN_WHOLE)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

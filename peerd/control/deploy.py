@@ -12,12 +12,14 @@ reports ``ready``; a peer without a stage unloads and reports
 
 A peer whose range changes serves on its old stage until the new plan is live
 (peerd/inference/serving.py). Its executors share one SessionShelf, and the units it loses
-are freed when the old plane retires, taking the old executor with it. A stage runs as one
-joined session when its weights fit twice in the memory the peer has available as it loads
-(capped by --memory-budget; `stage_options`): decoding then skips a run's fixed costs
-between units, and a next plan's stage as large, loaded whole beside it, fits too.
-Otherwise each unit runs alone, and the new stage runs the old stage's sessions of the
-units both hold and loads only the units it gains.
+are freed when the old plane retires, taking the old executor with it. How a stage's units
+run depends on the memory the peer has available as it loads (capped by --memory-budget;
+`stage_options`): joined, a stage skips a run's fixed costs between units, but a new stage
+shares less with the old. Joined whole where the stage's weights fit twice, since the next
+plan's stage is then loaded whole beside it; else joined by blocks (shards/joined.py) where
+two blocks more fit, since the new stage loads again at most the two blocks its range cuts
+besides the units it gains; else each unit alone, and the new stage runs the old stage's
+sessions of the units both hold and loads only the units it gains.
 
 Once its stage is ready, a peer also loads the movable copies its plan stage names (the
 overlap plan: neighbours' boundary units, within its memory budget) into the same shelf and
@@ -55,7 +57,7 @@ from peerd.wire.protocol import (
 from peerd.wire.states import DeployState, ExportState
 from shards.early_exit import ExitPoint, ExitSettings, exit_point, last_exit_layer
 from shards.executor import ExecutorOptions, HeldUnit, SessionShelf, StageExecutor
-from shards.joined import JOIN_WHOLE
+from shards.joined import JOIN_BYTES, JOIN_WHOLE
 from shards.manifest import Manifest, ManifestError, Unit, UnitFile
 from shards.share_layout import Norm, ShareUnit, ShareUnits
 from shards.share_split import LayerShape, split_layer
@@ -71,9 +73,11 @@ UNITS_ALONE = ExecutorOptions()  # the sessions of movable copies and group shar
 
 def stage_options(weight_bytes: int, memory_available: int) -> ExecutorOptions:
     """How a stage of `weight_bytes` of weights runs on a peer with `memory_available` as it
-    loads: joined whole when a second copy fits beside it, for the next plan's stage."""
+    loads: joined as far as what a plan change then loads beside it still fits."""
     if 2 * weight_bytes <= memory_available:
         return ExecutorOptions(join_bytes=JOIN_WHOLE)
+    if weight_bytes + 2 * JOIN_BYTES <= memory_available:
+        return ExecutorOptions(join_bytes=JOIN_BYTES)
     return UNITS_ALONE
 
 

@@ -25,7 +25,7 @@ from peerd.wire.identity import ClusterSecret, KeyPair
 from peerd.wire.protocol import PlanAssignment, PlanFigures, PlanStage, UnitChunkRequest
 from peerd.wire.transport import Endpoint, Transport, TransportError
 from shards.executor import StageExecutor
-from shards.joined import JOIN_WHOLE
+from shards.joined import JOIN_BYTES, JOIN_WHOLE
 from shards.manifest import UnitFile
 
 SECRET = ClusterSecret(b"d" * 32)
@@ -342,9 +342,12 @@ async def test_a_peer_whose_range_grows_loads_only_the_unit_it_gains(toy_cluster
     np.testing.assert_allclose(logits, toy.logits(ids), rtol=1e-5, atol=1e-5)
 
 
-def test_a_stage_runs_joined_whole_only_where_a_second_copy_of_it_fits():
-    assert stage_options(100, 200).join_bytes == JOIN_WHOLE
-    assert stage_options(100, 199) == UNITS_ALONE
+def test_a_stage_runs_joined_as_far_as_what_a_plan_change_loads_beside_it_fits():
+    stage = 3 * JOIN_BYTES
+    assert stage_options(stage, 2 * stage).join_bytes == JOIN_WHOLE
+    assert stage_options(stage, 2 * stage - 1).join_bytes == JOIN_BYTES
+    assert stage_options(stage, stage + 2 * JOIN_BYTES).join_bytes == JOIN_BYTES
+    assert stage_options(stage, stage + 2 * JOIN_BYTES - 1) == UNITS_ALONE
     assert UNITS_ALONE.join_bytes == 0
 
 
