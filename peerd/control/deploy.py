@@ -81,6 +81,15 @@ def stage_options(weight_bytes: int, memory_available: int) -> ExecutorOptions:
     return UNITS_ALONE
 
 
+def _how(options: ExecutorOptions) -> str:
+    """How a stage's units run, in words for the log and the deploy detail."""
+    if options.join_bytes == JOIN_WHOLE:
+        return "joined whole"
+    if options.join_bytes:
+        return f"joined by {options.join_bytes >> 20} MiB blocks"
+    return "each unit alone"
+
+
 @dataclasses.dataclass(frozen=True)
 class LoadedStage:
     """The units this peer runs: units ``first``..``last`` of ``manifest``, in ``executor``;
@@ -222,6 +231,7 @@ class Deployment:
             return
         point = self._exit(manifest, stage)
         units = manifest.units[stage.first : stage.last + 1]
+        weights = sum(u.weight_bytes for u in units)
         if point is not None:
             units = (*units, manifest.units[point.head])
         paths, missing = await self._unit_paths(units)
@@ -229,7 +239,6 @@ class Deployment:
             await self._fetch(model_peer, missing)
         self._set(DeployState.LOADING, detail=f"loading units {_range(stage)}")
         self.loaded = None  # its plane holds the old stage until the new one is live
-        weights = sum(u.weight_bytes for u in manifest.units[stage.first : stage.last + 1])
         options = stage_options(weights, read_memory(self._memory_budget).available)
         executor = await asyncio.to_thread(
             StageExecutor, _at_paths(manifest, paths), self.store.root, stage.first, stage.last,
@@ -237,8 +246,9 @@ class Deployment:
         )
         await self._warm_up(manifest, executor)
         self.loaded = LoadedStage(manifest, stage.first, stage.last, executor)
-        log.info("plan %d: loaded units %s", plan.plan_id, _range(stage))
-        self._set(DeployState.READY, detail=f"loaded units {_range(stage)}")
+        ready = f"loaded units {_range(stage)}, {_how(options)}"
+        log.info("plan %d: %s", plan.plan_id, ready)
+        self._set(DeployState.READY, detail=ready)
         await self._hold_copies(model_peer, manifest, stage)
 
     async def _deploy_share(self, plan: PlanAssignment, stage: PlanStage, manifest: Manifest,

@@ -367,6 +367,8 @@ async def test_a_stage_with_room_for_a_second_copy_runs_as_one_session(tmp_path:
         stage = deployment.executor
         assert isinstance(stage, StageExecutor)
         assert (stage.session(0) is stage.session(1)) is room
+        how = "joined whole" if room else "each unit alone"
+        assert deployment.progress.detail == f"loaded units 0-1, {how}"
         ids = [3, 1, 4]
         request = {"input_ids": np.array([ids], np.int64),
                    "position_ids": np.arange(len(ids), dtype=np.int64)[None]}
