@@ -15,7 +15,7 @@ from sharding import sharded
 
 from shards.early_exit import EXIT_HIDDEN, exit_point
 from shards.executor import ExecutorOptions, SessionShelf, StageExecutor, held_bytes
-from shards.joined import JOIN_BYTES, blocks
+from shards.joined import JOIN_BYTES, JOIN_WHOLE, blocks
 from shards.manifest import Manifest
 
 ALONE = ExecutorOptions(join_bytes=0)
@@ -109,6 +109,28 @@ def test_the_exit_reads_a_hidden_state_from_inside_a_joined_block(llama):
                                "position_ids": np.arange(len(PROMPT))[None]})
         hidden.append(stage.exit_logits(out[EXIT_HIDDEN]))
     np.testing.assert_array_equal(hidden[0], hidden[1])
+
+
+def test_kv_moves_out_of_and_into_a_stage_joined_whole_unit_by_unit(llama):
+    """A rebalance moves each unit's K/V on its own, whatever sessions run the units."""
+    manifest, directory = llama.manifest, llama.directory
+    last = len(manifest.units) - 1
+    whole = ExecutorOptions(join_bytes=JOIN_WHOLE)
+    assert len(StageExecutor(manifest, directory, 0, last - 1, whole).sessions) == 1
+    head = StageExecutor(manifest, directory, last, last, ALONE)
+    prompt = {"input_ids": np.array([PROMPT]), "position_ids": np.arange(len(PROMPT))[None]}
+    decode = {"input_ids": np.array([[5]]), "position_ids": np.array([[len(PROMPT)]])}
+    unmoved = StageExecutor(manifest, directory, 0, last - 1, ALONE)
+    unmoved.step("s", prompt)
+    expected = head.step("s", unmoved.step("s", decode))["logits"]
+    for first, then in ((whole, ALONE), (ALONE, whole), (whole, whole)):
+        old = StageExecutor(manifest, directory, 0, last - 1, first)
+        new = StageExecutor(manifest, directory, 0, last - 1, then)
+        old.step("s", prompt)
+        for unit in range(last):
+            new.import_state("s", unit, old.export_state("s", unit))
+        moved = head.step("s", new.step("s", decode))["logits"]
+        np.testing.assert_array_equal(moved, expected)
 
 
 def test_a_warm_up_times_every_unit_of_a_joined_block(llama):
