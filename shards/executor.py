@@ -118,13 +118,13 @@ class ExecutorOptions:
     x0.89-0.93 against units alone on the shared pool; 30.1 against 29.0 tokens/s joined
     by 128 MiB blocks). Daemons join a stage whole when its weights fit twice in the
     memory available, else by blocks where two blocks more fit (peerd/control/deploy.py,
-    `stage_options`): two three-daemon clusters side by side,
-    one of them joining whole, 6 rounds each way on 2026-11-29, one answer 20.0 against
-    18.4 and 19.2 against 18.0 tokens/s, 4 in flight 64.5 against 61.0 and 63.1 against
-    59.5 (the same clusters both unchanged: 19.5 against 18.8, 61.7 against 60.3); joined
-    by 128 MiB blocks instead, 19.6 against 19.1 and 63.9 against 62.9. Of a stage joined
-    whole the next plan's stage shares only what runs alone (the LM head, movable copies)
-    and loads the rest again beside it.
+    `stage_options`): two three-daemon clusters side by side, one of them joining whole,
+    6 rounds each way on 2026-11-29, one answer 20.0 against 18.4 and 19.2 against 18.0
+    tokens/s, 4 in flight 64.5 against 61.0 and 63.1 against 59.5 (the same clusters both
+    unchanged: 19.5 against 18.8, 61.7 against 60.3); joined by 128 MiB blocks instead,
+    19.6 against 19.1 and 63.9 against 62.9. Of a stage joined whole the next plan's stage
+    shares only what runs alone (the LM head, movable copies) and loads the rest again
+    beside it.
     """
 
     threads: int = 0
