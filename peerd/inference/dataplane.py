@@ -583,33 +583,51 @@ class DataPlane:
         plan = getattr(message, "plan", self.plan)
         if plan != self.plan:
             log.warning("dropped %s of plan %s: this is plan %s", message.KIND, plan, self.plan)
-        elif isinstance(message, SequenceOpen):
-            self._on_open(message, reply)
-        elif isinstance(message, SequenceStatsRequest):
-            reply(self._cost_here(message.req, message.seq_id))
-        elif isinstance(message, SequenceMove):
-            self._spawn(self._on_move(message, reply))
-        elif isinstance(message, SequenceState):
-            reply(SequenceMoved(message.req, self.store_state(message)))
-        elif isinstance(message, SequenceFork):
-            reply(SequenceForked(message.req, self._forked_here(message)))
-        elif getattr(message, "seq_id", None) in self._ended:
             return
-        elif isinstance(message, StageData):
-            self._on_stage_data(self.peers.index(sender), message)
-        elif isinstance(message, (SequenceToken, SequenceFailed)) and self.is_head and (
-            message.seq_id not in self._running
-        ):
+        match message:
+            case SequenceOpen():
+                self._on_open(message, reply)
+            case SequenceStatsRequest(req=req, seq_id=seq_id):
+                reply(self._cost_here(req, seq_id))
+            case SequenceMove():
+                self._spawn(self._on_move(message, reply))
+            case SequenceState():
+                reply(SequenceMoved(message.req, self.store_state(message)))
+            case SequenceFork():
+                reply(SequenceForked(message.req, self._forked_here(message)))
+            case StageData() | SequenceToken() | SequenceFailed() | SequenceDrop():
+                if message.seq_id not in self._ended:  # late traffic of an ended sequence
+                    self._on_sequence(sender, message)
+            case _:
+                self._not_for_this_stage(sender, message)
+
+    def _on_sequence(self, sender: str,
+                     message: StageData | SequenceToken | SequenceFailed | SequenceDrop) -> None:
+        """A step's inputs, a token, a failure or a drop, of a sequence not ended here."""
+        match message:
+            case StageData():
+                self._on_stage_data(self.peers.index(sender), message)
+            case SequenceDrop(seq_id=seq_id):
+                self._forget(seq_id)
+            case SequenceToken() | SequenceFailed() if self.is_head:
+                self._at_head(message)
+            case _:
+                self._not_for_this_stage(sender, message)
+
+    def _at_head(self, message: SequenceToken | SequenceFailed) -> None:
+        """The last stage's token for an answer's step, or a stage's failure to run one."""
+        if message.seq_id not in self._running:
             self._end(message.seq_id)  # a sequence no answer runs: free it on every stage
-        elif isinstance(message, SequenceToken) and self.is_head:
-            self._on_token(message.seq_id, message.step, message.token, _logprobs(message),
-                           message.checks)
-        elif isinstance(message, SequenceFailed) and self.is_head:
-            self._fail(message.seq_id, message.reason)
-        elif isinstance(message, SequenceDrop):
-            self._forget(message.seq_id)
-        else:
-            log.warning("dropped %s from %s: not for stage %d", message.KIND, sender, self.stage)
+            return
+        match message:
+            case SequenceToken():
+                self._on_token(message.seq_id, message.step, message.token, _logprobs(message),
+                               message.checks)
+            case SequenceFailed():
+                self._fail(message.seq_id, message.reason)
+
+    def _not_for_this_stage(self, sender: str, message: Message) -> None:
+        log.warning("dropped %s from %s: not for stage %d", message.KIND, sender, self.stage)
 
     async def _on_move(self, message: SequenceMove, reply: Callable[[Message], None]) -> None:
         reply(SequenceMoved(message.req, await self.send_state(message)))

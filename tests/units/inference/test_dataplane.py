@@ -378,3 +378,18 @@ async def test_admission_counts_k_v_room_not_answers(ring):
     await eventually(lambda: head.status()["waiting"] == 1, "one admitted once room freed")
     for task in [*(t for t, _ in running[1:]), *waiting]:
         task.cancel()
+
+
+async def test_tokens_of_ended_or_unknown_sequences_free_them_and_stray_ones_are_dropped(
+        ring, caplog):
+    head, middle, _ = ring
+    # the head runs no answer for "gone": it ends it on every stage, sending each a drop
+    head.plane.handle(ring[2].id, protocol.SequenceToken("gone", 0, 1), lambda answer: None)
+    # on the same link, after the drop: a late token for "gone", then one for "stray"; a
+    # token is for the head only, so "stray" is dropped with a warning and "gone" silently
+    for seq_id in ("gone", "stray"):
+        assert head.transport.send(middle.id, protocol.SequenceToken(seq_id, 0, 1))
+    stray = f"dropped seq-token from {head.id}: not for stage 1"
+    await eventually(lambda: stray in caplog.text, "the stray token dropped")
+    assert caplog.text.count("not for stage") == 1
+    assert not any(p.plane.owns("gone") or p.plane.owns("stray") for p in ring)
