@@ -29,7 +29,7 @@ from bench.llama_checkpoint import add_shape_arguments, reusable_llama, shape_fr
 from bench.shards import shard_units
 from bench.workdir import run_in
 from shards.executor import ExecutorOptions, StageExecutor
-from shards.joined import JOIN_BYTES
+from shards.joined import JOIN_BYTES, JOIN_WHOLE
 from shards.manifest import Quant
 
 WARM_UP_STEPS = 3
@@ -45,11 +45,10 @@ def _bench(root: Path, args: argparse.Namespace) -> None:
     sharded = shard_units(model, root, Quant.NONE, cached=True)
     manifest, directory = sharded.manifest, sharded.directory
     last = len(manifest.units) - 1
-    whole = sum(unit.weight_bytes for unit in manifest.units)
     executors = {
         "each unit alone (join_bytes=0)": ExecutorOptions(join_bytes=0),
         f"joined by {JOIN_BYTES >> 20} MiB blocks": ExecutorOptions(join_bytes=JOIN_BYTES),
-        "joined whole": ExecutorOptions(join_bytes=whole),
+        "joined whole": ExecutorOptions(join_bytes=JOIN_WHOLE),
     }
     ways = {name: StageExecutor(manifest, directory, 0, last, options)
             for name, options in executors.items()}
