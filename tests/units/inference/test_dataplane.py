@@ -382,9 +382,9 @@ async def test_admission_counts_k_v_room_not_answers(ring):
 
 async def test_tokens_of_ended_or_unknown_sequences_free_them_and_stray_ones_are_dropped(
         ring, caplog):
-    head, middle, _ = ring
+    head, middle, last = ring
     # the head runs no answer for "gone": it ends it on every stage, sending each a drop
-    head.plane.handle(ring[2].id, protocol.SequenceToken("gone", 0, 1), lambda answer: None)
+    head.plane.handle(last.id, protocol.SequenceToken("gone", 0, 1), lambda answer: None)
     # on the same link, after the drop: a late token for "gone", then one for "stray"; a
     # token is for the head only, so "stray" is dropped with a warning and "gone" silently
     for seq_id in ("gone", "stray"):
