@@ -177,13 +177,14 @@ def _decode_compute_s(answer: list[dict], prefill: list[dict]) -> float | None:
 def _print_ratio(rounds: list[Round], tokens: int) -> None:
     whole = 1e3 / statistics.median(r.whole_tps for r in rounds)
     split = 1e3 / statistics.median(r.split_tps for r in rounds)
-    measured = [r for r in rounds if r.stage_compute_s is not None]
+    measured = [(r.split_tps, r.stage_compute_s) for r in rounds
+                if r.stage_compute_s is not None]
     print(f"\ndecode, {tokens} tokens per answer, median of {len(rounds)} alternating rounds")
     print(f"  whole, one process      {1e3 / whole:9.1f} tokens/s  {whole:7.2f} ms/token")
     print(f"  split over 3 daemons    {1e3 / split:9.1f} tokens/s  {split:7.2f} ms/token")
     if measured:  # each round's compute against its own split time: the pace moves between rounds
-        compute = statistics.median(r.stage_compute_s for r in measured) * 1e3
-        rest = statistics.median(1e3 / r.split_tps - r.stage_compute_s * 1e3 for r in measured)
+        compute = statistics.median(c for _, c in measured) * 1e3
+        rest = statistics.median(1e3 / tps - c * 1e3 for tps, c in measured)
         print(f"    stages computing                         {compute:7.2f} ms/token "
               f"({compute - whole:+.2f} against whole)")
         print(f"    hops and hand-offs                       {rest:7.2f} ms/token")
