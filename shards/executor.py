@@ -87,6 +87,8 @@ class ExecutorOptions:
     needs (1.4 s instead of 55 ms per token there). A stage joined whole whose workers spin
     only until each run ends decoded 9% faster over three daemons on idle cores, but took
     twice as long beside a busy process (docs/architecture.md, "Measured and left as it is").
+    `spinning` makes a session's own workers spin between operators until each run ends,
+    never after it; nothing in peerd turns it on (bench/ring_ceiling.py measures it).
 
     memory_arena: every session built with it allocates from the process's one ONNX Runtime
     arena (`use_process_arena`), handed back at the end of each step (the last unit's run shrinks
@@ -532,7 +534,8 @@ def use_shared_pool(threads: int) -> None:
 def session_options(threads: int = 0, spinning: bool = False) -> ort.SessionOptions:
     """Session options with this process's threading, for every session peerd builds: the
     shared pool once the process has one, else a pool of the session's own with `threads`
-    threads (0: one per usable core), spinning or not."""
+    threads (0: one per usable core), its workers spinning between operators until each run
+    ends, or not."""
     so = ort.SessionOptions()
     if _shared_pool_threads is not None:
         so.use_per_session_threads = False
@@ -540,6 +543,8 @@ def session_options(threads: int = 0, spinning: bool = False) -> ort.SessionOpti
     so.intra_op_num_threads = threads or usable_cores()
     so.inter_op_num_threads = 1
     so.add_session_config_entry("session.intra_op.allow_spinning", str(int(spinning)))
+    # workers that spin on after a run take the cores the next stage (or process) needs
+    so.add_session_config_entry("session.force_spinning_stop", str(int(spinning)))
     return so
 
 

@@ -106,6 +106,17 @@ def test_thread_count_is_set_explicitly(toy, threads, expected):
         [expected] * len(stage.sessions))
 
 
+@pytest.mark.parametrize("spinning", [False, True])
+def test_spinning_workers_stop_when_each_run_ends(toy, spinning):
+    # workers spinning on after a run would take the cores the next stage needs
+    _, manifest, directory = toy
+    stage = StageExecutor(manifest, directory, 0, 2, ExecutorOptions(spinning=spinning))
+    for session in stage.sessions:
+        entry = session.get_session_options().get_session_config_entry
+        assert entry("session.intra_op.allow_spinning") == str(int(spinning))
+        assert entry("session.force_spinning_stop") == str(int(spinning))
+
+
 @pytest.mark.parametrize("options", [ExecutorOptions(),
                                      ExecutorOptions(memory_arena=False, prepacking=False)])
 def test_memory_options_reach_every_session(toy, options):
