@@ -9,9 +9,10 @@ its stage and sending the result on; the last one sends the greedy token back to
 first. Beside them, the whole model in a process of its own with `peerd generate`'s
 options. The ways:
 
-  thread    the compute thread owns its sockets: a blocking receive, the step, a send
-  loop      the sockets on an asyncio event loop (uvloop, zmq.asyncio) and the step on a
-            compute thread, the daemons' shape
+  one process  the three stages one after the other in one process: no transport at all
+  thread       the compute thread owns its sockets: a blocking receive, the step, a send
+  loop         the sockets on an asyncio event loop (uvloop, zmq.asyncio) and the step on
+               a compute thread, the daemons' shape
 each with workers that sleep between operators, as the daemons' do, and spinning until each
 run ends (`ExecutorOptions.spinning`). Every way decodes the same answer, greedy, each run
 an 8-token prompt and `--tokens` decode steps; rounds rotate the order of the ways, and the
@@ -54,8 +55,9 @@ from shards.joined import JOIN_WHOLE
 from shards.manifest import Manifest, Quant
 
 PROMPT = [1, 17, 42, 99, 7, 250, 31, 64]
-WAYS = ("thread", "loop")
-RINGS = [(way, spin) for way in WAYS for spin in (False, True)]
+RINGS = ("thread", "loop")
+ONE_PROCESS = "one process"
+WAYS = [(way, spin) for way in (ONE_PROCESS, *RINGS) for spin in (False, True)]
 STAGES = 3
 PLAN, END = "ring", "end"  # StageData.plan of a step, and of the message that ends a run
 KEYS_ENV = "PEERD_RING_KEYS"  # the ring's CURVE keys, for its stage processes
@@ -73,6 +75,8 @@ def main() -> None:
     args = _parser().parse_args()
     if args.role == "whole":
         _serve_whole(Path(args.units))
+    elif args.role == "stages":
+        _serve_stages(Path(args.units), args.spin)
     elif args.role == "stage":
         _serve_stage(Path(args.units), args.way, args.spin, args.stage)
     else:
@@ -85,8 +89,7 @@ def _bench(root: Path, args: argparse.Namespace) -> None:
     model = reusable_llama(root, shape_from(args), _note)
     units = shard_units(model, root, Quant.NONE, cached=True).directory
     bounds = _thirds(Manifest.load(units))
-    _note("starting the whole model and " + ", ".join(_name(*ring) for ring in RINGS)
-          + " (three processes each)")
+    _note("starting the whole model and " + ", ".join(_name(*way) for way in WAYS))
     heads, others = _start(units)
     try:
         results = _rounds(heads, args.rounds, args.tokens)
@@ -108,15 +111,19 @@ def _start(units: Path) -> tuple[dict[str, subprocess.Popen], list[subprocess.Po
     command = [sys.executable, "-m", "bench.ring_ceiling", "--units", str(units)]
     heads = {"whole": _child([*command, "--role", "whole"], None, driven=True)}
     others = []
-    ports = iter(_free_ports(STAGES * len(RINGS)))
-    for way, spin in RINGS:
+    ports = iter(_free_ports(STAGES * len(WAYS)))
+    for way, spin in WAYS:
+        spinning = ["--spin"] if spin else []
+        if way == ONE_PROCESS:
+            heads[_name(way, spin)] = _child([*command, "--role", "stages", *spinning], None,
+                                             driven=True)
+            continue
         keys = [zmq.curve_keypair() for _ in range(STAGES)]
         env = {**os.environ, KEYS_ENV: json.dumps({
             "ports": [next(ports) for _ in range(STAGES)],
             "public": [p.decode() for p, _ in keys], "secret": [s.decode() for _, s in keys]})}
         for stage in reversed(range(STAGES)):
-            flags = ["--role", "stage", "--way", way, "--stage", str(stage)]
-            flags += ["--spin"] if spin else []
+            flags = ["--role", "stage", "--way", way, "--stage", str(stage), *spinning]
             process = _child([*command, *flags], env, driven=stage == 0)
             if stage == 0:
                 heads[_name(way, spin)] = process
@@ -171,7 +178,7 @@ def _rounds(heads: dict[str, subprocess.Popen], rounds: int, tokens: int) -> dic
 
 def _print(results: dict[str, list[Run]]) -> None:
     whole = results["whole"]
-    print(f"  {'way':18s} {'ms a token':>10s} {'compute':>8s} {'outside':>8s} "
+    print(f"  {'way':22s} {'ms a token':>10s} {'compute':>8s} {'outside':>8s} "
           f"{'whole / this':>12s}  tokens")
     for name, runs in results.items():
         ms = statistics.median(r.ms for r in runs)
@@ -179,7 +186,7 @@ def _print(results: dict[str, list[Run]]) -> None:
         outside = statistics.median(r.ms - r.compute_ms for r in runs)
         ratio = statistics.median(w.ms / r.ms for w, r in zip(whole, runs, strict=True))
         same = all(r.tokens == w.tokens for w, r in zip(whole, runs, strict=True))
-        print(f"  {name:18s} {ms:10.2f} {compute:8.2f} {outside:8.2f} {ratio:12.3f}  "
+        print(f"  {name:22s} {ms:10.2f} {compute:8.2f} {outside:8.2f} {ratio:12.3f}  "
               f"{'as whole' if same else 'DIFFER'}")
 
 
@@ -260,13 +267,14 @@ class Stage:
     def forward(self, frames: list[Any]) -> list[Any]:
         message = decode(frames)
         assert isinstance(message, StageData)
-        return encode(self._end(message) if message.plan == END else self._step(message))
+        return encode(self._end(message) if message.plan == END else self.step(message))
 
-    def head_step(self, seq_id: str, ids: list[int], start: int) -> list[Any]:
+    def first(self, seq_id: str, ids: list[int], start: int) -> StageData:
+        """The head's step: the message for the next stage."""
         step = 0 if start == 0 else start - len(PROMPT) + 1
-        return encode(self._step(StageData(PLAN, seq_id, step, _inputs(ids, start))))
+        return self.step(StageData(PLAN, seq_id, step, _inputs(ids, start)))
 
-    def _step(self, message: StageData) -> StageData:
+    def step(self, message: StageData) -> StageData:
         executor = self.executor
         started = time.perf_counter()
         out = executor.step(message.seq_id, {n: message.tensors[n] for n in executor.inputs},
@@ -284,6 +292,26 @@ class Stage:
         self.executor.drop(message.seq_id)
         compute = message.tensors["compute"] + self.compute.pop(message.seq_id, 0.0)
         return StageData(END, message.seq_id, 0, {"compute": compute.astype(np.float32)})
+
+
+def _serve_stages(units: Path, spin: bool) -> None:
+    """The three stages in this process, each message handed on as it is."""
+    stages = [Stage(units, index, spin) for index in range(STAGES)]
+
+    def token(seq_id: str, ids: list[int], start: int) -> int:
+        message = stages[0].first(seq_id, ids, start)
+        for stage in stages[1:]:
+            message = stage.step(message)
+        return int(message.tensors["token"][0])
+
+    def decode_run(seq_id: str, tokens: int) -> Run:
+        run = _decode(lambda ids, start: token(seq_id, ids, start), tokens)
+        compute = sum(stage.compute.pop(seq_id, 0.0) for stage in stages)
+        for stage in stages:
+            stage.executor.drop(seq_id)
+        return Run(run.ms, compute / tokens * 1e3, run.tokens)
+
+    _serve_runs(decode_run)
 
 
 def _serve_stage(units: Path, way: str, spin: bool, index: int) -> None:
@@ -330,7 +358,7 @@ def _head_run(stage: Stage, back: Callable[[list[Any]], StageData], seq_id: str,
               tokens: int) -> Run:
     """One answer around the ring, `back` sending a message from the head and returning
     what comes back to it."""
-    run = _decode(lambda ids, start: int(back(stage.head_step(seq_id, ids, start))
+    run = _decode(lambda ids, start: int(back(encode(stage.first(seq_id, ids, start)))
                                          .tensors["token"][0]), tokens)
     ended = back(encode(StageData(END, seq_id, 0, {"compute": np.zeros(1, np.float32)})))
     compute = float(ended.tensors["compute"][0]) + stage.compute.pop(seq_id, 0.0)
@@ -368,9 +396,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: a temporary one, removed at the end)")
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds, after one warm-up")
     parser.add_argument("--tokens", type=int, default=48, help="decode steps a run")
-    parser.add_argument("--role", choices=("whole", "stage"), help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=("whole", "stages", "stage"), help=argparse.SUPPRESS)
     parser.add_argument("--units", help=argparse.SUPPRESS)
-    parser.add_argument("--way", choices=WAYS, help=argparse.SUPPRESS)
+    parser.add_argument("--way", choices=RINGS, help=argparse.SUPPRESS)
     parser.add_argument("--spin", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--stage", type=int, help=argparse.SUPPRESS)
     add_shape_arguments(parser)
