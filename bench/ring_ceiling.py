@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,7 @@ from bench.llama_checkpoint import add_shape_arguments, reusable_llama, shape_fr
 from bench.shards import shard_units
 from bench.workdir import run_in
 from peerd.commands.generate import GENERATE_OPTIONS
+from peerd.commands.local_cluster import free_ports
 from peerd.wire.protocol import StageData, decode, encode
 from shards.executor import ExecutorOptions, StageExecutor
 from shards.joined import JOIN_WHOLE
@@ -111,7 +111,9 @@ def _start(units: Path) -> tuple[dict[str, subprocess.Popen], list[subprocess.Po
     command = [sys.executable, "-m", "bench.ring_ceiling", "--units", str(units)]
     heads = {"whole": _child([*command, "--role", "whole"], None, driven=True)}
     others = []
-    ports = iter(_free_ports(STAGES * len(WAYS)))
+    count = STAGES * len(WAYS)
+    first = free_ports(count)
+    ports = iter(range(first, first + count))
     for way, spin in WAYS:
         spinning = ["--spin"] if spin else []
         if way == ONE_PROCESS:
@@ -138,18 +140,6 @@ def _start(units: Path) -> tuple[dict[str, subprocess.Popen], list[subprocess.Po
 def _child(command: list[str], env: dict | None, driven: bool) -> subprocess.Popen:
     pipe = subprocess.PIPE if driven else None
     return subprocess.Popen(command, env=env, stdin=pipe, stdout=pipe, text=True)
-
-
-def _free_ports(count: int) -> list[int]:
-    """`count` loopback ports free now (all held at once while asked, so all differ)."""
-    probes = [socket.socket() for _ in range(count)]
-    try:
-        for probe in probes:
-            probe.bind(("127.0.0.1", 0))
-        return [probe.getsockname()[1] for probe in probes]
-    finally:
-        for probe in probes:
-            probe.close()
 
 
 def _line(process: subprocess.Popen) -> str:
@@ -291,7 +281,7 @@ class Stage:
     def _end(self, message: StageData) -> StageData:
         self.executor.drop(message.seq_id)
         compute = message.tensors["compute"] + self.compute.pop(message.seq_id, 0.0)
-        return StageData(END, message.seq_id, 0, {"compute": compute.astype(np.float32)})
+        return StageData(END, message.seq_id, 0, {"compute": compute})
 
 
 def _serve_stages(units: Path, spin: bool) -> None:

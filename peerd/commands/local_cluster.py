@@ -91,7 +91,7 @@ class LocalCluster:
         """Start every daemon at once, the others pointed at the model peer's hello port; on
         other ports when the model peer could not take those (someone took them meanwhile)."""
         for _ in range(PORT_TRIES):
-            port = _free_ports(3)
+            port = free_ports(3)
             self._start(0, budgets[0], "--model", str(self.model_dir), "--quant",
                         self.quant.value, "--port", str(port))
             for i in range(1, self.count):
@@ -206,7 +206,7 @@ def _shard_in_child(model_dir: Path, state_dir: Path, quant: Quant,
     return Manifest.load(directory)
 
 
-def _free_ports(count: int) -> int:
+def free_ports(count: int) -> int:
     """A port P such that P..P+count-1 are free on loopback now."""
     while True:
         first = random.choice(PORTS[:-count])
