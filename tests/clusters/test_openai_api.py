@@ -36,6 +36,7 @@ from peerd.api.http_service import MAX_BODY_BYTES
 from peerd.api.openai_settings import DEFAULT_MAX_CONNECTIONS
 from peerd.cluster.membership import Timing
 from peerd.commands import client
+from peerd.commands.local_cluster import free_ports
 from peerd.errors import PeerdError
 from peerd.wire import identity
 from shards.text_stream import TextStream
@@ -69,12 +70,6 @@ class Cluster:
 
     def log(self, peer: int) -> str:
         return (self.dirs[peer] / "daemon.log").read_text()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _state_dirs(root: Path, count: int) -> list[Path]:
@@ -165,7 +160,7 @@ def cluster(hf_checkpoint, tmp_path_factory):
     seed_shard_cache(dirs[0], model_dir)
     key_file = root / "openai.key"
     key_file.write_text(KEY + "\n")
-    port = _free_port()
+    port = free_ports(1)
     # No rebalancing: the plan must change only where a peer fails (the flood test).
     with _daemon(dirs[0], "--model", str(model_dir), "--no-rebalance") as head:
         hello = wait_for(lambda: (_status(dirs[0]) or {}).get("ports", {}).get("hello"),
