@@ -88,7 +88,7 @@ def main() -> None:
 def _bench(root: Path, args: argparse.Namespace) -> None:
     model = reusable_llama(root, shape_from(args), _note)
     units = shard_units(model, root, Quant.NONE, cached=True).directory
-    bounds = _thirds(Manifest.load(units))
+    bounds = thirds(Manifest.load(units))
     _note("starting the whole model and " + ", ".join(_name(*way) for way in WAYS))
     heads, others = _start(units)
     try:
@@ -180,7 +180,7 @@ def _print(results: dict[str, list[Run]]) -> None:
               f"{'as whole' if same else 'DIFFER'}")
 
 
-def _thirds(manifest: Manifest) -> list[tuple[int, int]]:
+def thirds(manifest: Manifest) -> list[tuple[int, int]]:
     """Three runs of units of about equal weight bytes."""
     total = sum(unit.weight_bytes for unit in manifest.units)
     bounds, first, held = [], 0, 0
@@ -245,7 +245,7 @@ class Stage:
 
     def __init__(self, units: Path, index: int, spin: bool) -> None:
         manifest = Manifest.load(units)
-        first, last = _thirds(manifest)[index]
+        first, last = thirds(manifest)[index]
         options = ExecutorOptions(join_bytes=JOIN_WHOLE, spinning=spin)
         self.executor = StageExecutor(manifest, units, first, last, options)
         self.executor.warm_up()

@@ -88,7 +88,8 @@ class ExecutorOptions:
     only until each run ends decoded 9% faster over three daemons on idle cores, but took
     twice as long beside a busy process (docs/architecture.md, "Measured and left as it is").
     `spinning` makes a session's own workers spin between operators until each run ends,
-    never after it; nothing in peerd turns it on (bench/ring_ceiling.py measures it).
+    never after it; nothing in peerd turns it on (bench/ring_ceiling.py and
+    bench/spin_per_step.py measure it).
 
     memory_arena: every session built with it allocates from the process's one ONNX Runtime
     arena (`use_process_arena`), handed back at the end of each step (the last unit's run shrinks
@@ -101,7 +102,8 @@ class ExecutorOptions:
     resident against 1800 MB without, after a 512-token prompt on the same model.
     prepacking stays on: ONNX Runtime releases a memory-mapped weight once it has re-laid it
     out, so float32 holds one copy either way (1314 MB resident with, 1315 without), while
-    without it int8 decodes at x0.58 and int4's MatMulNBits at under 1% of the speed.
+    without it float32 decodes one token at x0.72-0.81 and four at once at x0.41-0.47
+    (bench/spin_per_step.py), int8 at x0.58 and int4's MatMulNBits at under 1% of the speed.
 
     shared_pool runs every session of the process on one thread pool of `threads` threads
     whose workers spin between operators and between units (ONNX Runtime's global pool; its
