@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -72,7 +73,7 @@ def _bench(root: Path, args: argparse.Namespace) -> None:
     units = shard_units(model, root, Quant.NONE, cached=True).directory
     manifest = Manifest.load(units)
     first, last = thirds(manifest)[MIDDLE]
-    _note("measuring what each holding holds")
+    _note("measuring the memory of one and of two sessions, each in a process of its own")
     # before this process maps the weight files itself, which would halve the children's share
     held = {holding: _held_in_child(units, holding) for holding in HOLDINGS}
     _note(f"building units {first}-{last} four ways")
@@ -80,27 +81,26 @@ def _bench(root: Path, args: argparse.Namespace) -> None:
                  for name, options in WAYS.items()}
     for executor in executors.values():
         executor.warm_up()
-    one, prompt = _inputs(manifest, units, first, executors)
-    kinds: dict[str, Steps] = {
-        "decode 1": [("one", one)],
-        f"decode {BATCH}": [(f"batch{i}", one) for i in range(BATCH)],
-        f"prefill {PREFILL}": [("prompt", prompt)],
+    one, prompt = _inputs(manifest, units, first, next(iter(executors.values())).inputs)
+    kinds: dict[str, tuple[Steps, int]] = {  # the steps, and every how many rounds
+        "decode 1": ([("one", one)], 1),
+        f"decode {BATCH}": ([(f"batch{i}", one) for i in range(BATCH)], 1),
+        f"prefill {PREFILL}": ([("prompt", prompt)], PREFILL_EVERY),
     }
     times = _times(executors, kinds, args.rounds)
     print(f"units {first}-{last} of {len(manifest.units)} joined whole, {args.rounds} rounds "
           f"interleaved, each step after {IDLE_S * 1e3:.0f} ms idle; medians, ms")
-    _print_times(times, _same_outputs(executors, kinds["decode 1"]))
+    _print_times(times, _same_outputs(executors, kinds["decode 1"][0]))
     print("memory the stage's sessions hold (proportional set size), each in a process of its own")
     for holding, mb in held.items():
         print(f"  {holding:28s} {mb:6.0f} MB")
 
 
 def _inputs(manifest: Manifest, units: Path, first: int,
-            executors: dict[str, StageExecutor]) -> tuple[dict, dict]:
-    """A one-token and a PREFILL-token input of the middle stage, as the stage before it
-    sends them."""
+            wanted: Iterable[str]) -> tuple[dict, dict]:
+    """A one-token and a PREFILL-token input of the stage that starts at unit `first`, as
+    the stage before it sends them."""
     before = StageExecutor(manifest, units, 0, first - 1, ExecutorOptions(join_bytes=JOIN_WHOLE))
-    wanted = next(iter(executors.values())).inputs
 
     def sent(tokens: int) -> dict[str, np.ndarray]:
         ids = np.arange(1, tokens + 1, dtype=np.int64)[None, :]
@@ -112,13 +112,13 @@ def _inputs(manifest: Manifest, units: Path, first: int,
     return sent(1), sent(PREFILL)
 
 
-def _times(executors: dict[str, StageExecutor], kinds: dict[str, Steps],
+def _times(executors: dict[str, StageExecutor], kinds: dict[str, tuple[Steps, int]],
            rounds: int) -> dict[str, dict[str, list[float]]]:
     times = {name: {kind: [] for kind in kinds} for name in executors}
     for number in range(rounds):
         for name, executor in executors.items():
-            for kind, steps in kinds.items():
-                if kind.startswith("prefill") and number % PREFILL_EVERY:
+            for kind, (steps, every) in kinds.items():
+                if number % every:
                     continue
                 time.sleep(IDLE_S)
                 started = time.perf_counter()
