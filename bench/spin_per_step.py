@@ -9,9 +9,10 @@ same weight files. This bench builds the bench model's middle third of units (jo
 the daemons' options) four ways, prepacked (what peerd runs) and unprepacked, each sleeping
 and spinning, and times them interleaved, every step after 30 ms idle as a stage idles
 between tokens: a one-token decode, four sequences' decode in one batch, and a 64-token
-prefill (every fourth round). Each in a process of its own, it also measures the memory
-the stage's sessions hold (proportional set size): one prepacked session, two prepacked,
-two unprepacked.
+prefill (every fourth round); then the same again beside a busy process pinned to one
+core (where the process may run on two or more). Each in a process of its own, it also
+measures the memory the stage's sessions hold (proportional set size): one prepacked
+session, two prepacked, two unprepacked.
 
     .venv/bin/python -m bench.spin_per_step [--dir DIR] [--rounds 20]
 """
@@ -19,12 +20,14 @@ two unprepacked.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -87,10 +90,17 @@ def _bench(root: Path, args: argparse.Namespace) -> None:
         f"decode {BATCH}": ([(f"batch{i}", one) for i in range(BATCH)], 1),
         f"prefill {PREFILL}": ([("prompt", prompt)], PREFILL_EVERY),
     }
-    times = _times(executors, kinds, args.rounds)
+    same = _same_outputs(executors, kinds["decode 1"][0])
     print(f"units {first}-{last} of {len(manifest.units)} joined whole, {args.rounds} rounds "
           f"interleaved, each step after {IDLE_S * 1e3:.0f} ms idle; medians, ms")
-    _print_times(times, _same_outputs(executors, kinds["decode 1"][0]))
+    _print_times(_times(executors, kinds, args.rounds), same)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        print("beside a busy process: not measured, this process may run on one core only")
+    else:
+        print(f"the same, beside a process busy on core {cores[0]}")
+        with _busy(cores[0]):
+            _print_times(_times(executors, kinds, args.rounds), same)
     print("memory the stage's sessions hold (proportional set size), each in a process of its own")
     for holding, mb in held.items():
         print(f"  {holding:28s} {mb:6.0f} MB")
@@ -160,6 +170,18 @@ def _print_times(times: dict[str, dict[str, list[float]]], same: dict[str, str])
             median = statistics.median(seconds)
             cells += f"{median * 1e3:11.2f} x{median / base[kind]:4.2f}"
         print(f"  {name:24s}{cells}  {same[name]}")
+
+
+@contextlib.contextmanager
+def _busy(core: int) -> Iterator[None]:
+    """A process that keeps `core` busy while the block runs."""
+    spin = f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True:\n    pass"
+    busy = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        yield
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def _held_in_child(units: Path, holding: str) -> float:

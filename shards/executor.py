@@ -102,7 +102,7 @@ class ExecutorOptions:
     resident against 1800 MB without, after a 512-token prompt on the same model.
     prepacking stays on: ONNX Runtime releases a memory-mapped weight once it has re-laid it
     out, so float32 holds one copy either way (1314 MB resident with, 1315 without), while
-    without it float32 decodes one token at x0.72-0.81 and four at once at x0.41-0.47
+    without it float32 decodes one token at x0.72-0.93 and four at once at x0.41-0.48
     (bench/spin_per_step.py), int8 at x0.58 and int4's MatMulNBits at under 1% of the speed.
 
     shared_pool runs every session of the process on one thread pool of `threads` threads
