@@ -204,7 +204,7 @@ def _serve_whole(units: Path) -> None:
     executor.warm_up()
 
     def token(seq_id: str, ids: list[int], start: int) -> int:
-        logits = executor.step(seq_id, _inputs(ids, start), rows=1)["logits"]
+        logits = executor.step(seq_id, token_inputs(ids, start), rows=1)["logits"]
         return int(np.argmax(logits[0, -1]))
 
     def decode_run(seq_id: str, tokens: int) -> Run:
@@ -231,7 +231,8 @@ def _serve_runs(decode_run: Callable[[str, int], Run]) -> None:
         print(json.dumps(decode_run(f"run{number}", int(line)).__dict__), flush=True)
 
 
-def _inputs(ids: list[int], start: int) -> dict[str, np.ndarray]:
+def token_inputs(ids: list[int], start: int) -> dict[str, np.ndarray]:
+    """A step's inputs: the tokens `ids`, at positions from `start` on."""
     positions = np.arange(start, start + len(ids), dtype=np.int64)[None, :]
     return {"input_ids": np.array([ids], np.int64), "position_ids": positions}
 
@@ -262,7 +263,7 @@ class Stage:
     def first(self, seq_id: str, ids: list[int], start: int) -> StageData:
         """The head's step: the message for the next stage."""
         step = 0 if start == 0 else start - len(PROMPT) + 1
-        return self.step(StageData(PLAN, seq_id, step, _inputs(ids, start)))
+        return self.step(StageData(PLAN, seq_id, step, token_inputs(ids, start)))
 
     def step(self, message: StageData) -> StageData:
         executor = self.executor

@@ -20,21 +20,21 @@ session, two prepacked, two unprepacked.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import psutil
 
 from bench.llama_checkpoint import add_shape_arguments, reusable_llama, shape_from
-from bench.ring_ceiling import thirds
+from bench.rebalance import Load
+from bench.ring_ceiling import thirds, token_inputs
 from bench.shards import shard_units
 from bench.workdir import run_in
 from shards.executor import ExecutorOptions, StageExecutor
@@ -99,8 +99,12 @@ def _bench(root: Path, args: argparse.Namespace) -> None:
         print("beside a busy process: not measured, this process may run on one core only")
     else:
         print(f"the same, beside a process busy on core {cores[0]}")
-        with _busy(cores[0]):
+        load = Load(cores[0], 1)
+        load.start()
+        try:
             _print_times(_times(executors, kinds, args.rounds), same)
+        finally:
+            load.stop()
     print("memory the stage's sessions hold (proportional set size), each in a process of its own")
     for holding, mb in held.items():
         print(f"  {holding:28s} {mb:6.0f} MB")
@@ -113,9 +117,7 @@ def _inputs(manifest: Manifest, units: Path, first: int,
     before = StageExecutor(manifest, units, 0, first - 1, ExecutorOptions(join_bytes=JOIN_WHOLE))
 
     def sent(tokens: int) -> dict[str, np.ndarray]:
-        ids = np.arange(1, tokens + 1, dtype=np.int64)[None, :]
-        out = before.step("sent", {"input_ids": ids,
-                                   "position_ids": np.arange(tokens, dtype=np.int64)[None, :]})
+        out = before.step("sent", token_inputs(list(range(1, tokens + 1)), 0))
         before.drop("sent")
         return {name: out[name] for name in wanted}
 
@@ -170,18 +172,6 @@ def _print_times(times: dict[str, dict[str, list[float]]], same: dict[str, str])
             median = statistics.median(seconds)
             cells += f"{median * 1e3:11.2f} x{median / base[kind]:4.2f}"
         print(f"  {name:24s}{cells}  {same[name]}")
-
-
-@contextlib.contextmanager
-def _busy(core: int) -> Iterator[None]:
-    """A process that keeps `core` busy while the block runs."""
-    spin = f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True:\n    pass"
-    busy = subprocess.Popen([sys.executable, "-c", spin])
-    try:
-        yield
-    finally:
-        busy.kill()
-        busy.wait()
 
 
 def _held_in_child(units: Path, holding: str) -> float:
